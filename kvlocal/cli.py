@@ -1,0 +1,267 @@
+"""The `kvlocal` command line. The answer goes to stdout; progress, summaries and errors to stderr."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvlocal import __version__
+from kvlocal.errors import KvlocalError
+
+app = typer.Typer(
+    help="Ask questions about long documents with a local Qwen model that reads only a routed part of its KV cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+cache_app = typer.Typer(help="Saved KV states of prefilled documents.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+def err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def handles_errors(fn):
+    """One-line errors with the error's exit code; Ctrl-C exits 130 without a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KvlocalError as e:
+            err(f"kvlocal: error: {e}")
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err("\nkvlocal: interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+# -- shared options -------------------------------------------------------------------------
+
+ModelOpt = Annotated[
+    Optional[str], typer.Option("--model", "-m", help="Model alias (see `kvlocal models`) or path to a GGUF file.")
+]
+CtxOpt = Annotated[
+    Optional[int], typer.Option("--ctx", help="Context size in tokens (default: fit the document; max: the model's).")
+]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: all cores).")]
+KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")]
+RouteOpt = Annotated[
+    str, typer.Option("--route", help="geometric (routed), full (dense), window or random (controls).")
+]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Regions routed per layer and KV head.")]
+RegionOpt = Annotated[int, typer.Option("--region", help="Tokens per region (16, 32, 64, 128 or 256).")]
+WindowOpt = Annotated[int, typer.Option("--window", help="Recent tokens always read (rounded up to regions).")]
+SinksOpt = Annotated[int, typer.Option("--sinks", help="First tokens always read (rounded up to regions).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random routing and sampling.")]
+
+
+def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int):
+    from kvlocal.routing import RouteConfig
+
+    return RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed)
+
+
+def _open_session(model, ctx, threads, kv_type):
+    from kvlocal.progress import StatusLine, download_text
+    from kvlocal.session import Session
+
+    line = StatusLine()
+    session = Session(
+        model, n_ctx=ctx, threads=threads, kv_type=kv_type,
+        model_progress=lambda d, t, s: line.show(download_text(d, t, s)),
+    )
+    line.done()
+    return session
+
+
+def _load(session, text: str, label: str, use_cache: bool):
+    from kvlocal.progress import StatusLine, load_summary, prefill_text
+
+    line = StatusLine()
+    try:
+        result = session.load_document(text, label=label, progress=lambda p: line.show(prefill_text(p)), use_cache=use_cache)
+    finally:
+        line.done()
+    if result.rebuilt_reason:
+        err(f"kvlocal: {result.rebuilt_reason}")
+    err(f"kvlocal: {load_summary(result)}")
+    return result
+
+
+def _stream_answer(session, question: str, **kwargs) -> str:
+    from kvlocal.progress import answer_summary
+    from kvlocal.session import AnswerSummary
+
+    summary = None
+    for event in session.ask(question, **kwargs):
+        if isinstance(event, AnswerSummary):
+            summary = event
+        else:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    err(f"kvlocal: {answer_summary(summary)}".replace("\n", "\nkvlocal: "))
+    return summary.text
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+@app.command()
+@handles_errors
+def ask(
+    document: Annotated[str, typer.Argument(help="PDF, .txt, .md, .html or .epub file, or - for stdin.")],
+    question: Annotated[str, typer.Argument(help="The question to answer from the document.")],
+    model: ModelOpt = None,
+    ctx: CtxOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most answer tokens.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    threads: ThreadsOpt = None,
+    kv_type: KvTypeOpt = "f16",
+    route: RouteOpt = "geometric",
+    top_k: TopKOpt = 8,
+    region: RegionOpt = 64,
+    window: WindowOpt = 128,
+    sinks: SinksOpt = 64,
+    seed: SeedOpt = 0,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
+) -> None:
+    """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
+    from kvlocal.ingest import load_document
+
+    route_cfg = _route(route, top_k, region, window, sinks, seed)
+    doc = load_document(document)
+    session = _open_session(model, ctx, threads, kv_type)
+    _load(session, doc.text, doc.source, not no_cache)
+    _stream_answer(session, question, route=route_cfg, max_tokens=max_tokens, temperature=temperature, seed=seed)
+
+
+@app.command()
+@handles_errors
+def demo(
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    route: RouteOpt = "geometric",
+) -> None:
+    """Ask the built-in sample document its built-in question (the README's first command)."""
+    from kvlocal import paths
+    from kvlocal.sample import SAMPLE_QUESTION, write_sample
+
+    path = write_sample(paths.cache_root() / "sample" / "halvard-ridge-report.txt")
+    err(f"kvlocal: sample document {path}")
+    err(f"kvlocal: question: {SAMPLE_QUESTION}")
+    session = _open_session(model, None, threads, "f16")
+    _load(session, path.read_text(), str(path), True)
+    _stream_answer(session, SAMPLE_QUESTION, route=_route(route, 8, 64, 128, 64, 0), max_tokens=64)
+
+
+@app.command()
+@handles_errors
+def models() -> None:
+    """List the model aliases, their packages and whether they are installed."""
+    from kvlocal.models import ALIASES, DEFAULT_ALIAS, model_status
+    from kvlocal.progress import human_bytes
+
+    for alias, spec in ALIASES.items():
+        default = " (default)" if alias == DEFAULT_ALIAS else ""
+        print(f"{alias}{default}")
+        print(f"  {spec.description}")
+        print(f"  {len(spec.packages)} packages {spec.packages[0]} … =={spec.version}, {human_bytes(spec.size)}")
+        print(f"  sha256 {spec.sha256}")
+        print(f"  status: {model_status(alias)}")
+
+
+@app.command()
+@handles_errors
+def doctor() -> None:
+    """Report the engine build, its patch set, backends, the default model and the cache."""
+    from kvlocal import kvstate, paths
+    from kvlocal.engine import ENGINE_VERSION, engine_info
+    from kvlocal.models import DEFAULT_ALIAS, model_status
+
+    info = engine_info()
+    print(f"kvlocal {__version__}")
+    print(f"engine pin: llama-cpp-python {ENGINE_VERSION} (installed: {info.version})")
+    print(f"engine build id: {info.build_id or 'none'}")
+    state = "patched" if info.patched else "STOCK (not patched)"
+    if info.patched and not info.current:
+        state += f", OUT OF DATE (patches/ is {info.repo_patchset})"
+    print(f"engine: {state}; patch set {info.patchset or '-'} (repository: {info.repo_patchset or '-'})")
+    print(f"GPU offload: {'yes' if info.gpu_offload else 'no'}")
+    print(f"system: {info.system_info}")
+    print(f"default model {DEFAULT_ALIAS}: {model_status(DEFAULT_ALIAS)}")
+    entries = kvstate.list_entries()
+    print(f"cache dir: {paths.cache_root()} ({len(entries)} saved KV states)")
+
+
+@cache_app.command("list")
+@handles_errors
+def cache_list() -> None:
+    """List saved KV states."""
+    from kvlocal import kvstate
+    from kvlocal.progress import human_bytes
+
+    entries = kvstate.list_entries()
+    if not entries:
+        print("no saved KV states")
+        return
+    for e in entries:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.created))
+        ctx = e.key.get("n_ctx", "?")
+        print(f"{e.path.stem[:12]}  {when}  {e.n_tokens:>7,} tokens  ctx {ctx}  {human_bytes(e.size):>10}  {e.label}")
+
+
+@cache_app.command("clear")
+@handles_errors
+def cache_clear() -> None:
+    """Delete every saved KV state."""
+    from kvlocal import kvstate
+
+    n = kvstate.clear_entries()
+    err(f"kvlocal: removed {n} saved KV state{'s' if n != 1 else ''}")
+
+
+@app.command()
+@handles_errors
+def tui(
+    document: Annotated[Optional[Path], typer.Argument(help="Document to open (or pick one in the app).")] = None,
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """The interactive app: load, ask, and watch which KV regions each step reads."""
+    from kvlocal.tui.app import run_app
+
+    run_app(document=document, model=model, threads=threads)
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        print(f"kvlocal {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    """kvlocal: routed KV-cache attention for questions about long documents."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

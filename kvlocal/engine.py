@@ -1,0 +1,141 @@
+"""The patched llama.cpp engine: import it, tell a patched build from a stock one, bind our C API.
+
+Only this module and the session import llama_cpp; nothing else reaches into the engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.metadata
+from dataclasses import dataclass
+from types import ModuleType
+
+from kvlocal.errors import EngineError
+from kvlocal.patchset import repo_patchset_id
+
+ENGINE_VERSION = "0.3.36"
+BUILD_HINT = "build it with: python vendor/build_engine.py"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    version: str | None
+    build_id: str | None  # "kvlocal:<patch-set id>" or None for a stock build
+    repo_patchset: str | None
+    gpu_offload: bool
+    system_info: str
+
+    @property
+    def patched(self) -> bool:
+        return self.build_id is not None and self.build_id.startswith("kvlocal:")
+
+    @property
+    def patchset(self) -> str | None:
+        return self.build_id.split(":", 1)[1] if self.patched else None
+
+    @property
+    def current(self) -> bool:
+        """The engine was built from this checkout's patches (or there is no checkout to compare)."""
+        return self.patched and (self.repo_patchset is None or self.patchset == self.repo_patchset)
+
+
+@functools.cache
+def llama_cpp() -> ModuleType:
+    """Import llama_cpp quietly; EngineError if it is missing."""
+    try:
+        import llama_cpp as module
+    except ImportError as err:
+        raise EngineError(f"llama-cpp-python is not installed ({err}); {BUILD_HINT}") from None
+    _silence_logs(module)
+    return module
+
+
+_LOG_CALLBACK = None
+
+
+def _silence_logs(module: ModuleType) -> None:
+    """Route llama.cpp's log lines away from the terminal (errors still reach our messages)."""
+    global _LOG_CALLBACK
+
+    @module.llama_log_callback
+    def _drop(level, text, user_data):  # noqa: ARG001
+        return None
+
+    _LOG_CALLBACK = _drop  # keep a reference: llama.cpp holds the pointer
+    module.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+def engine_info() -> EngineInfo:
+    module = llama_cpp()
+    lib = module.llama_cpp._lib
+    try:
+        version = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(module, "__version__", None)
+    build_id = None
+    if hasattr(lib, "llama_kvlocal_build_id"):
+        fn = lib.llama_kvlocal_build_id
+        fn.restype = ctypes.c_char_p
+        fn.argtypes = []
+        build_id = fn().decode()
+    return EngineInfo(
+        version=version,
+        build_id=build_id,
+        repo_patchset=repo_patchset_id(),
+        gpu_offload=bool(module.llama_supports_gpu_offload()),
+        system_info=module.llama_print_system_info().decode(errors="replace").strip(),
+    )
+
+
+def require_patched() -> EngineInfo:
+    """The engine info, or EngineError when the installed engine is stock or out of date."""
+    info = engine_info()
+    if not info.patched:
+        raise EngineError(f"the installed llama-cpp-python is a stock build without kvlocal's patches; {BUILD_HINT}")
+    if not info.current:
+        raise EngineError(
+            f"the installed engine was built from patch set {info.patchset}, "
+            f"but patches/ is now {info.repo_patchset}; {BUILD_HINT}"
+        )
+    return info
+
+
+class RouteStatsC(ctypes.Structure):
+    """Mirror of struct llama_kv_route_stats (include/llama.h, patch 0004)."""
+
+    _fields_ = [
+        ("mode", ctypes.c_int32),
+        ("fallback", ctypes.c_int32),
+        ("n_layer", ctypes.c_int32),
+        ("n_layer_routed", ctypes.c_int32),
+        ("n_head_kv", ctypes.c_int32),
+        ("n_kv", ctypes.c_int32),
+        ("region_size", ctypes.c_int32),
+        ("n_sel", ctypes.c_int32),
+        ("rows_read", ctypes.c_int64),
+        ("rows_dense", ctypes.c_int64),
+        ("bytes_kv", ctypes.c_int64),
+        ("bytes_meta", ctypes.c_int64),
+        ("bytes_dense", ctypes.c_int64),
+    ]
+
+
+@functools.cache
+def route_api() -> ctypes.CDLL:
+    """The routing functions of the loaded library, with their signatures set."""
+    lib = llama_cpp().llama_cpp._lib
+    if not hasattr(lib, "llama_kv_route_set"):
+        raise EngineError(f"the installed engine has no routed attention; {BUILD_HINT}")
+    ctx_p = ctypes.c_void_p
+    lib.llama_kv_route_set.argtypes = [ctx_p] + [ctypes.c_int32] * 5 + [ctypes.c_uint32]
+    lib.llama_kv_route_set.restype = ctypes.c_int32
+    lib.llama_kv_route_cent_blk.argtypes = [ctx_p]
+    lib.llama_kv_route_cent_blk.restype = ctypes.c_int32
+    lib.llama_kv_route_get_stats.argtypes = [ctx_p, ctypes.POINTER(RouteStatsC)]
+    lib.llama_kv_route_get_stats.restype = ctypes.c_int32
+    for name in ("llama_kv_route_get_regions", "llama_kv_route_get_layers"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
+        fn.restype = ctypes.c_int32
+    return lib

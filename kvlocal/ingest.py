@@ -1,0 +1,359 @@
+"""Document ingestion: turn a path (or "-" for stdin) into plain text."""
+
+from __future__ import annotations
+
+import codecs
+import io
+import os
+import posixpath
+import re
+import sys
+import xml.etree.ElementTree as ET
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import unquote
+
+import pypdfium2 as pdfium
+
+from kvlocal.errors import DocumentError, UsageError
+
+KIND_BY_SUFFIX = {
+    ".pdf": "pdf",
+    ".txt": "txt",
+    ".text": "txt",
+    ".md": "md",
+    ".markdown": "md",
+    ".html": "html",
+    ".htm": "html",
+    ".epub": "epub",
+}
+STDIN_NAME = "<stdin>"
+
+_BOMS = (
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+_CONTROL_BYTES = bytes(sorted(set(range(32)) - {0x09, 0x0A, 0x0C, 0x0D, 0x1B})) + b"\x7f"
+_CONTROL_CHARS = re.compile("[\x00-\x08\x0e-\x1f\x7f\ufffe\uffff]")
+_EPUB_MIMETYPE = b"application/epub+zip"
+_XHTML_TYPES = {"application/xhtml+xml", "text/html"}
+
+
+class _EpubError(Exception):
+    """An EPUB lacks a required part; `str(err)` says which."""
+
+
+_EPUB_ERRORS = (
+    _EpubError, zipfile.BadZipFile, zlib.error, ET.ParseError, EOFError, RuntimeError, NotImplementedError
+)
+
+
+@dataclass(frozen=True)
+class Document:
+    """Extracted text of one document."""
+
+    text: str
+    source: str
+    kind: str
+
+
+def load_document(source: str | os.PathLike[str], *, stdin: BinaryIO | None = None) -> Document:
+    """Read `source` ("-" means stdin) and return its text; raise DocumentError/UsageError."""
+    if os.fspath(source) == "-":
+        name, data = STDIN_NAME, _read_stdin(stdin)
+        kind = sniff_kind(data)
+    else:
+        name = os.fspath(source)
+        kind, data = _read_file(Path(source), name)
+    if not data or data.isspace():
+        raise DocumentError(f"{name} is empty")
+    text = normalize_text(_EXTRACTORS[kind](data, name))
+    if not text:
+        raise DocumentError(_no_text_message(name, kind))
+    return Document(text=text, source=name, kind=kind)
+
+
+def sniff_kind(data: bytes) -> str:
+    """Guess the document kind from its first bytes."""
+    if b"%PDF-" in data[:1024]:
+        return "pdf"
+    if data.startswith(b"PK") and _is_epub(data):
+        return "epub"
+    head = data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if head.startswith((b"<!doctype html", b"<html")) or (head.startswith(b"<?xml") and b"<html" in head):
+        return "html"
+    return "txt"
+
+
+def decode_text(data: bytes, name: str) -> str:
+    """Decode bytes as UTF-8 / UTF-16 (by BOM) / cp1252 / latin-1, refusing binary data."""
+    for bom, codec in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(codec)
+            except UnicodeDecodeError:
+                encoding = codec.removesuffix("-sig")
+                raise DocumentError(f"{name} is not valid {encoding} text despite its byte-order mark") from None
+    if _looks_binary(data):
+        raise DocumentError(f"{name} looks like binary data, not text")
+    for codec in ("utf-8", "cp1252"):
+        try:
+            return data.decode(codec)
+        except UnicodeDecodeError:
+            pass
+    return data.decode("latin-1")
+
+
+def normalize_text(text: str) -> str:
+    """Unify newlines, drop control characters and trailing spaces, collapse long blank runs."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\f", "\n").replace("\v", "\n")
+    text = _CONTROL_CHARS.sub("", text)
+    text = "\n".join(line.rstrip() for line in text.split("\n"))
+    text = re.sub(r"\n{4,}", "\n\n\n", text)
+    return text.strip("\n")
+
+
+def html_to_text(markup: str) -> str:
+    """Visible text of an HTML/XHTML document, with blocks on their own lines."""
+    parser = _HTMLText()
+    parser.feed(markup)
+    parser.close()
+    return parser.text()
+
+
+# -- reading ----------------------------------------------------------------
+
+
+def _read_stdin(stdin: BinaryIO | None) -> bytes:
+    if stdin is None and sys.stdin.isatty():
+        raise UsageError("no document on stdin: pipe one in, or give a file path instead of '-'")
+    try:
+        return (stdin if stdin is not None else sys.stdin.buffer).read()
+    except OSError as err:
+        raise DocumentError(f"cannot read {STDIN_NAME}: {err.strerror or err}") from None
+
+
+def _read_file(path: Path, name: str) -> tuple[str, bytes]:
+    """The file's kind (by extension, else sniffed) and its bytes."""
+    if not path.exists():
+        raise DocumentError(f"no such file: {name}")
+    if path.is_dir():
+        raise DocumentError(f"{name} is a directory, not a document")
+    kind = _kind_for(path, name) if path.suffix else None
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise DocumentError(f"cannot read {name}: {err.strerror or err}") from None
+    return kind or sniff_kind(data), data
+
+
+def _kind_for(path: Path, name: str) -> str:
+    kind = KIND_BY_SUFFIX.get(path.suffix.lower())
+    if kind is None:
+        supported = ", ".join(KIND_BY_SUFFIX)
+        raise UsageError(f"unsupported document type '{path.suffix}' ({name}); supported: {supported}")
+    return kind
+
+
+def _looks_binary(data: bytes) -> bool:
+    sample = data[:65536]
+    if b"\x00" in sample:
+        return True
+    controls = len(sample) - len(sample.translate(None, _CONTROL_BYTES))
+    return controls > len(sample) // 20
+
+
+def _no_text_message(name: str, kind: str) -> str:
+    if kind == "pdf":
+        return f"{name} has no extractable text (a scanned PDF? run OCR on it first)"
+    return f"{name} contains no text"
+
+
+# -- PDF --------------------------------------------------------------------
+
+
+def _pdf_text(data: bytes, name: str) -> str:
+    try:
+        pdf = pdfium.PdfDocument(data)
+    except pdfium.PdfiumError as err:
+        raise DocumentError(_pdf_open_message(err, name)) from None
+    try:
+        return "\n\n".join(_page_text(page) for page in pdf)
+    except pdfium.PdfiumError:
+        raise DocumentError(f"{name} is not a readable PDF (damaged or truncated)") from None
+    finally:
+        pdf.close()
+
+
+def _page_text(page: pdfium.PdfPage) -> str:
+    textpage = page.get_textpage()
+    try:
+        return textpage.get_text_bounded().strip()
+    finally:
+        textpage.close()
+        page.close()
+
+
+def _pdf_open_message(err: pdfium.PdfiumError, name: str) -> str:
+    if err.err_code == pdfium.raw.FPDF_ERR_PASSWORD:
+        return f"{name} is encrypted (password-protected PDF)"
+    if err.err_code == pdfium.raw.FPDF_ERR_SECURITY:
+        return f"{name} is encrypted with an unsupported security scheme"
+    return f"{name} is not a readable PDF (damaged or truncated)"
+
+
+# -- HTML -------------------------------------------------------------------
+
+
+class _HTMLText(HTMLParser):
+    """Collects visible text; block elements become line or paragraph breaks."""
+
+    SKIP = frozenset({"script", "style", "noscript", "template", "title"})
+    PARAGRAPH = frozenset({
+        "address", "article", "aside", "blockquote", "dl", "figure", "footer", "form", "h1", "h2", "h3",
+        "h4", "h5", "h6", "header", "hr", "main", "nav", "ol", "p", "pre", "section", "table", "ul",
+    })
+    LINE = frozenset({"body", "dd", "details", "div", "dt", "figcaption", "li", "summary", "tr"})
+    CELL = frozenset({"td", "th"})
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self._parts: list[str] = []
+        self._pending_breaks = 0
+        self._skip_depth = 0
+        self._pre_depth = 0
+
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in self.SKIP:
+            self._skip_depth += 1
+        elif tag == "br":
+            self._pending_breaks += 1
+        elif tag in self.CELL and not self._at_line_start():
+            self._parts[-1] = self._parts[-1].rstrip(" ")
+            self._parts.append("\t")
+        self._block_boundary(tag)
+        if tag == "pre":
+            self._pre_depth += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.SKIP:
+            self._skip_depth = max(0, self._skip_depth - 1)
+        elif tag == "pre":
+            self._pre_depth = max(0, self._pre_depth - 1)
+        self._block_boundary(tag)
+
+    def handle_data(self, data: str) -> None:
+        if self._skip_depth:
+            return
+        if not self._pre_depth:
+            data = re.sub(r"\s+", " ", data)
+            if self._at_line_start() or self._parts[-1][-1:].isspace():
+                data = data.lstrip(" ")
+        if not data:
+            return
+        if self._pending_breaks and self._parts:
+            self._parts.append("\n" * self._pending_breaks)
+        self._pending_breaks = 0
+        self._parts.append(data)
+
+    def _block_boundary(self, tag: str) -> None:
+        if tag in self.PARAGRAPH:
+            self._pending_breaks = max(self._pending_breaks, 2)
+        elif tag in self.LINE:
+            self._pending_breaks = max(self._pending_breaks, 1)
+
+    def _at_line_start(self) -> bool:
+        return not self._parts or self._pending_breaks > 0 or self._parts[-1].endswith("\n")
+
+
+def _html_text(data: bytes, name: str) -> str:
+    return html_to_text(decode_text(data, name))
+
+
+# -- EPUB -------------------------------------------------------------------
+
+
+def _is_epub(data: bytes) -> bool:
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            return archive.read("mimetype").strip() == _EPUB_MIMETYPE
+    except (KeyError, zipfile.BadZipFile, zlib.error, EOFError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _epub_text(data: bytes, name: str) -> str:
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            chapters = _spine_paths(archive)
+            _refuse_drm(archive, chapters, name)
+            return "\n\n".join(html_to_text(decode_text(_member(archive, path), name)) for path in chapters)
+    except _EPUB_ERRORS as err:
+        raise DocumentError(f"{name} is not a readable EPUB ({_epub_reason(err)})") from None
+
+
+def _spine_paths(archive: zipfile.ZipFile) -> list[str]:
+    """Archive paths of the XHTML documents in reading (spine) order."""
+    container = ET.fromstring(_member(archive, "META-INF/container.xml"))
+    rootfile = next((el for el in container.iter() if _local(el.tag) == "rootfile"), None)
+    opf_path = rootfile.get("full-path", "") if rootfile is not None else ""
+    if not opf_path:
+        raise _EpubError("META-INF/container.xml names no package file")
+    package = ET.fromstring(_member(archive, opf_path))
+    manifest = {el.get("id"): el for el in package.iter() if _local(el.tag) == "item"}
+    base = posixpath.dirname(opf_path)
+    paths = []
+    for ref in (el for el in package.iter() if _local(el.tag) == "itemref"):
+        item = manifest.get(ref.get("idref"))
+        if item is not None and item.get("media-type") in _XHTML_TYPES and item.get("href"):
+            paths.append(posixpath.normpath(posixpath.join(base, unquote(item.get("href", "")))))
+    if not paths:
+        raise _EpubError("its spine lists no XHTML chapters")
+    return paths
+
+
+def _refuse_drm(archive: zipfile.ZipFile, chapters: list[str], name: str) -> None:
+    try:
+        encryption = archive.read("META-INF/encryption.xml")
+    except KeyError:
+        return
+    references = (el for el in ET.fromstring(encryption).iter() if _local(el.tag) == "CipherReference")
+    encrypted = {unquote(el.get("URI", "")) for el in references}
+    if encrypted & set(chapters):
+        raise DocumentError(f"{name} is encrypted (DRM-protected EPUB)")
+
+
+def _member(archive: zipfile.ZipFile, path: str) -> bytes:
+    try:
+        return archive.read(path)
+    except KeyError:
+        raise _EpubError(f"missing {path}") from None
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def _epub_reason(err: Exception) -> str:
+    if isinstance(err, _EpubError):
+        return str(err)
+    if isinstance(err, ET.ParseError):
+        return "malformed XML"
+    return "damaged or not a ZIP archive"
+
+
+_EXTRACTORS: dict[str, Callable[[bytes, str], str]] = {
+    "pdf": _pdf_text,
+    "txt": decode_text,
+    "md": decode_text,
+    "html": _html_text,
+    "epub": _epub_text,
+}

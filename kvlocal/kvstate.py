@@ -1,0 +1,174 @@
+"""Saved KV states of prefilled documents: keyed, checksummed, written atomically.
+
+File layout (one file per entry, `<key>.kvstate` under the states directory):
+    MAGIC | u32 header length | header JSON | int32 tokens | engine state bytes
+The header holds every input that shapes the state (the key fields), the token count and the
+sha256 of tokens + state. A mismatched key or a damaged body is detected before anything is
+handed to the engine, reported, and the entry is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvlocal import paths
+
+MAGIC = b"KVLOCAL-STATE-1\n"
+SUFFIX = ".kvstate"
+
+
+@dataclass(frozen=True)
+class StateKey:
+    """Everything that decides the bytes of a prefilled document state."""
+
+    text_sha256: str
+    model_sha256: str
+    engine_build: str
+    n_ctx: int
+    type_k: str
+    type_v: str
+    template_hash: str
+    centroid_block: int
+
+    def digest(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    path: Path
+    key: dict
+    n_tokens: int
+    size: int
+    created: float
+    label: str
+
+
+class StateCacheError(Exception):
+    """An entry exists but cannot be used; the message says why (it is then rebuilt)."""
+
+
+def state_path(key: StateKey, root: Path | None = None) -> Path:
+    return (root or paths.states_dir()) / f"{key.digest()}{SUFFIX}"
+
+
+def _body_digest(tokens: np.ndarray, state: bytes) -> str:
+    digest = hashlib.sha256()
+    digest.update(tokens.astype("<i4").tobytes())
+    digest.update(state)
+    return digest.hexdigest()
+
+
+def save_state(key: StateKey, tokens: np.ndarray, state: bytes, label: str, root: Path | None = None) -> Path:
+    """Write the entry atomically: a temporary file in the same directory, fsync, rename."""
+    target = state_path(key, root)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokens = np.asarray(tokens, dtype="<i4")
+    header = json.dumps(
+        {
+            "key": asdict(key),
+            "n_tokens": int(tokens.size),
+            "state_len": len(state),
+            "sha256": _body_digest(tokens, state),
+            "created": time.time(),
+            "label": label,
+        }
+    ).encode()
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(MAGIC)
+            fh.write(struct.pack("<I", len(header)))
+            fh.write(header)
+            fh.write(tokens.tobytes())
+            fh.write(state)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _read_header(fh) -> dict:
+    if fh.read(len(MAGIC)) != MAGIC:
+        raise StateCacheError("not a kvlocal state file")
+    raw_len = fh.read(4)
+    if len(raw_len) != 4:
+        raise StateCacheError("truncated header")
+    (header_len,) = struct.unpack("<I", raw_len)
+    if header_len > 1 << 20:
+        raise StateCacheError("damaged header")
+    try:
+        return json.loads(fh.read(header_len))
+    except (ValueError, UnicodeDecodeError):
+        raise StateCacheError("damaged header") from None
+
+
+def load_state(key: StateKey, root: Path | None = None) -> tuple[np.ndarray, bytes] | None:
+    """(tokens, state) for key; None when there is no entry; StateCacheError when it is unusable."""
+    path = state_path(key, root)
+    if not path.exists():
+        return None
+    with open(path, "rb") as fh:
+        header = _read_header(fh)
+        if header.get("key") != asdict(key):
+            raise StateCacheError("its key does not match this document, model and engine")
+        n_tokens, state_len = int(header["n_tokens"]), int(header["state_len"])
+        tokens = np.frombuffer(fh.read(4 * n_tokens), dtype="<i4")
+        state = fh.read(state_len)
+        extra = fh.read(1)
+    if tokens.size != n_tokens or len(state) != state_len or extra:
+        raise StateCacheError("the file is truncated or has trailing bytes")
+    if _body_digest(tokens, state) != header["sha256"]:
+        raise StateCacheError("its checksum does not match (the file is damaged)")
+    return tokens.astype(np.int32), state
+
+
+def discard(key: StateKey, root: Path | None = None) -> None:
+    state_path(key, root).unlink(missing_ok=True)
+
+
+def list_entries(root: Path | None = None) -> list[StateEntry]:
+    folder = root or paths.states_dir()
+    entries = []
+    for path in sorted(folder.glob(f"*{SUFFIX}")) if folder.exists() else []:
+        try:
+            with open(path, "rb") as fh:
+                header = _read_header(fh)
+        except (OSError, StateCacheError):
+            header = {"key": {}, "n_tokens": 0, "created": path.stat().st_mtime, "label": "(damaged)"}
+        entries.append(
+            StateEntry(
+                path=path,
+                key=header.get("key", {}),
+                n_tokens=int(header.get("n_tokens", 0)),
+                size=path.stat().st_size,
+                created=float(header.get("created", 0.0)),
+                label=str(header.get("label", "")),
+            )
+        )
+    return entries
+
+
+def clear_entries(root: Path | None = None) -> int:
+    """Delete every entry (and leftover temporary files); returns the number of entries removed."""
+    folder = root or paths.states_dir()
+    if not folder.exists():
+        return 0
+    removed = 0
+    for path in folder.glob(f"*{SUFFIX}"):
+        path.unlink(missing_ok=True)
+        removed += not path.name.startswith(".tmp-")
+    return removed

@@ -1,0 +1,96 @@
+"""Progress and summaries on stderr (the answer alone goes to stdout)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from kvlocal.session import AnswerSummary, LoadResult, PrefillProgress
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def human_seconds(s: float) -> str:
+    if s == float("inf"):
+        return "--:--"
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class StatusLine:
+    """A single self-rewriting line on a terminal; occasional plain lines otherwise."""
+
+    def __init__(self, stream: TextIO | None = None, min_interval: float = 0.1) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.min_interval = min_interval if self.tty else 5.0
+        self._last = 0.0
+        self._width = 0
+
+    def show(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.min_interval:
+            return
+        self._last = now
+        if self.tty:
+            pad = max(0, self._width - len(text))
+            self.stream.write("\r" + text + " " * pad)
+            self._width = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+        self._width = 0
+
+
+def prefill_text(p: PrefillProgress, width: int = 24) -> str:
+    filled = int(width * p.done / p.total) if p.total else width
+    bar = "█" * filled + "░" * (width - filled)
+    return (
+        f"prefill {bar} {p.done:,}/{p.total:,} tokens  {p.rate:,.0f} tok/s  "
+        f"ETA {human_seconds(p.eta)}"
+    )
+
+
+def download_text(done: int, total: int, stage: str) -> str:
+    pct = 100 * done / total if total else 100
+    verb = {"download": "downloading model", "assemble": "assembling model", "verify": "verifying model"}.get(
+        stage, stage
+    )
+    return f"{verb}: {human_bytes(done)} / {human_bytes(total)} ({pct:.0f}%)"
+
+
+def load_summary(result: LoadResult) -> str:
+    if result.cache_hit:
+        how = f"loaded saved KV state in {result.seconds:.1f} s (cache hit, no prefill)"
+    else:
+        how = f"prefilled in {result.seconds:.1f} s ({result.rate:,.0f} tok/s), state saved"
+    return f"document: {result.n_tokens:,} tokens, context {result.n_ctx:,}; {how}"
+
+
+def answer_summary(s: AnswerSummary) -> str:
+    lines = [
+        f"answer: {s.n_answer_tokens} tokens at {s.decode_rate:.1f} tok/s "
+        f"(question {s.n_question_tokens} tokens, each decoded through the same route)",
+        f"route: {s.route.describe()}",
+    ]
+    if s.steps and s.bytes_dense:
+        lines.append(
+            f"KV reads over {s.steps} steps: {human_bytes(s.bytes_read)} "
+            f"(centroids {human_bytes(s.bytes_meta)}) vs {human_bytes(s.bytes_dense)} dense "
+            f"= {s.reduction:.1f}x fewer bytes; rows {s.rows_read:,} vs {s.rows_dense:,}"
+        )
+    if s.fallback:
+        lines.append(f"note: routing fell back to dense attention: {s.fallback}")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""Routing settings and per-step KV read statistics, on top of the engine's C API (patch 0004)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from kvlocal.engine import RouteStatsC, route_api
+from kvlocal.errors import UsageError
+
+
+class RouteMode(IntEnum):
+    FULL = 0
+    GEOMETRIC = 1
+    WINDOW = 2
+    RANDOM = 3
+
+
+MODE_NAMES = {mode.name.lower(): mode for mode in RouteMode}
+
+FALLBACK_REASONS = {
+    0: "",
+    1: "dense mode",
+    2: "the KV cache keeps no region centroids (several sequences, MLA, or LLAMA_KV_CENTROID_BLOCK=0)",
+    3: "the V cache is transposed (flash attention is off)",
+    4: "the model uses ALiBi, learned sinks, a KQ bias or logit soft-capping",
+    5: "the model's attention does not use the standard KV cache (e.g. sliding-window iSWA)",
+}
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """How decode steps read the KV cache. Window and sinks are in tokens, rounded up to regions."""
+
+    mode: str = "geometric"
+    region: int = 64
+    top_k: int = 8
+    window: int = 128
+    sinks: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODE_NAMES:
+            raise UsageError(f"unknown route mode {self.mode!r}; choose one of {', '.join(MODE_NAMES)}")
+        if self.region <= 0 or self.region & (self.region - 1) or 256 % self.region:
+            raise UsageError(f"--region must be a power of two that divides 256 (got {self.region})")
+        if self.top_k < 0 or self.window < 0 or self.sinks < 0:
+            raise UsageError("--top-k, --window and --sinks must not be negative")
+
+    @property
+    def route_mode(self) -> RouteMode:
+        return MODE_NAMES[self.mode]
+
+    def apply(self, ctx: ctypes.c_void_p) -> None:
+        rc = route_api().llama_kv_route_set(
+            ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF
+        )
+        if rc != 0:
+            blk = route_api().llama_kv_route_cent_blk(ctx)
+            raise UsageError(f"the engine rejected the routing settings {self} (centroid block {blk})")
+
+    def describe(self) -> str:
+        if self.route_mode == RouteMode.FULL:
+            return "full (dense attention)"
+        return f"{self.mode}: top-{self.top_k} regions of {self.region} tokens + {self.sinks} sink + {self.window} window tokens"
+
+
+@dataclass
+class ReadStats:
+    """What one decode step read from the KV cache, as counted by the engine from the gathered rows."""
+
+    mode: RouteMode
+    fallback: int
+    n_layer: int
+    n_layer_routed: int
+    n_head_kv: int
+    n_kv: int
+    region_size: int
+    n_sel: int
+    rows_read: int
+    rows_dense: int
+    bytes_kv: int
+    bytes_meta: int
+    bytes_dense: int
+    layers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [n_layer_routed]
+    regions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.int32))  # [layer, head, n_sel]
+
+    @property
+    def bytes_read(self) -> int:
+        return self.bytes_kv + self.bytes_meta
+
+    @property
+    def reduction(self) -> float:
+        return self.bytes_dense / self.bytes_read if self.bytes_read else 1.0
+
+    @property
+    def fallback_reason(self) -> str:
+        return FALLBACK_REASONS.get(self.fallback, f"fallback code {self.fallback}")
+
+
+def read_stats(ctx: ctypes.c_void_p, with_regions: bool = True) -> ReadStats | None:
+    """The statistics of the context's last single-token decode, or None before the first one."""
+    api = route_api()
+    raw = RouteStatsC()
+    if api.llama_kv_route_get_stats(ctx, ctypes.byref(raw)) != 0:
+        return None
+    stats = ReadStats(
+        mode=RouteMode(raw.mode), **{name: getattr(raw, name) for name, _ in RouteStatsC._fields_ if name != "mode"}
+    )
+    if with_regions and raw.n_layer_routed:
+        n = api.llama_kv_route_get_regions(ctx, None, 0)
+        regions = np.zeros(n, np.int32)
+        api.llama_kv_route_get_regions(ctx, regions.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
+        layers = np.zeros(raw.n_layer_routed, np.int32)
+        api.llama_kv_route_get_layers(ctx, layers.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(layers))
+        stats.layers = layers
+        stats.regions = regions.reshape(raw.n_layer_routed, raw.n_head_kv, raw.n_sel)
+    return stats

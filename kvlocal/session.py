@@ -1,0 +1,404 @@
+"""The session layer: a model, one prefilled document, and questions asked of it.
+
+The CLI, the TUI and the evaluation call only this module. It owns the llama.cpp context:
+prefill in batches with progress and cancellation, the saved KV state, and routed decoding
+that streams answer pieces together with the engine's per-step read statistics.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlocal import kvstate
+from kvlocal.engine import llama_cpp, require_patched
+from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
+from kvlocal.models import ResolvedModel, resolve_model
+from kvlocal.prompt import PromptParts, build_prompt
+from kvlocal.routing import ReadStats, RouteConfig, read_stats
+
+KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
+ANSWER_RESERVE = 768  # context tokens kept free for a question and its answer
+CTX_ROUND = 256
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    done: int
+    total: int
+    elapsed: float
+
+    @property
+    def rate(self) -> float:
+        return self.done / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def eta(self) -> float:
+        return (self.total - self.done) / self.rate if self.rate > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    n_tokens: int
+    n_ctx: int
+    cache_hit: bool
+    seconds: float
+    rebuilt_reason: str | None = None  # why a saved state was discarded
+
+    @property
+    def rate(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class AnswerPiece:
+    """One generated token: its text (possibly empty while UTF-8 is incomplete) and what it read."""
+
+    text: str
+    token: int
+    stats: ReadStats | None
+
+
+@dataclass
+class AnswerSummary:
+    text: str
+    n_question_tokens: int
+    n_answer_tokens: int
+    decode_seconds: float
+    route: RouteConfig
+    rows_read: int = 0
+    rows_dense: int = 0
+    bytes_read: int = 0
+    bytes_meta: int = 0
+    bytes_dense: int = 0
+    steps: int = 0
+    fallback: str = ""
+    region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> times read
+
+    @property
+    def decode_rate(self) -> float:
+        return self.n_answer_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def reduction(self) -> float:
+        return self.bytes_dense / self.bytes_read if self.bytes_read else 1.0
+
+    def add(self, stats: ReadStats) -> None:
+        self.steps += 1
+        self.rows_read += stats.rows_read
+        self.rows_dense += stats.rows_dense
+        self.bytes_read += stats.bytes_read
+        self.bytes_meta += stats.bytes_meta
+        self.bytes_dense += stats.bytes_dense
+        if stats.fallback and stats.fallback != 1:
+            self.fallback = stats.fallback_reason
+        for li, layer in enumerate(stats.layers):
+            for region in np.unique(stats.regions[li]):
+                key = (int(layer), int(region))
+                self.region_reads[key] = self.region_reads.get(key, 0) + 1
+
+
+def default_threads() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+class Session:
+    """A loaded model with (at most) one document prefilled into its KV cache."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        n_ctx: int | None = None,
+        threads: int | None = None,
+        kv_type: str = "f16",
+        n_batch: int = 512,
+        model_progress: Callable[[int, int, str], None] | None = None,
+    ) -> None:
+        if kv_type not in KV_TYPES:
+            raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
+        self.engine = require_patched()
+        self.model: ResolvedModel = resolve_model(model, progress=model_progress)
+        self.kv_type = kv_type
+        self.n_batch = n_batch
+        self.threads = threads or default_threads()
+        self.requested_ctx = n_ctx
+        self.trained_ctx = int(self.model.info.context_length or 0) or 32768
+        if n_ctx is not None and not 256 <= n_ctx <= self.trained_ctx:
+            raise UsageError(f"--ctx must be between 256 and the model's trained context {self.trained_ctx}")
+        self._vocab_llm = self._new_llama(vocab_only=True)
+        self.chat_template = self._vocab_llm.metadata.get("tokenizer.chat_template")
+        self.llm = None
+        self.parts: PromptParts | None = None
+        self.n_prefix = 0
+        self.doc_label = ""
+        self._lock = threading.Lock()
+
+    # -- engine objects -------------------------------------------------------------------
+
+    def _new_llama(self, *, vocab_only: bool = False, n_ctx: int = 512):
+        module = llama_cpp()
+        gpu = bool(module.llama_supports_gpu_offload())
+        try:
+            return module.Llama(
+                model_path=str(self.model.path),
+                vocab_only=vocab_only,
+                n_ctx=n_ctx,
+                n_batch=self.n_batch,
+                n_ubatch=self.n_batch,
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                n_gpu_layers=-1 if gpu else 0,
+                flash_attn=True,  # routed decoding needs the non-transposed V cache
+                type_k=KV_TYPES[self.kv_type],
+                type_v=KV_TYPES[self.kv_type],
+                verbose=False,
+            )
+        except (ValueError, RuntimeError) as err:
+            raise EngineError(f"llama.cpp could not load {self.model.path.name}: {err}") from None
+
+    @property
+    def ctx(self) -> ctypes.c_void_p:
+        return self.llm.ctx
+
+    def tokenize(self, text: str, *, bos: bool) -> list[int]:
+        return self._vocab_llm.tokenize(text.encode(), add_bos=bos, special=True)
+
+    # -- documents ------------------------------------------------------------------------
+
+    def choose_ctx(self, n_tokens: int) -> int:
+        needed = n_tokens + ANSWER_RESERVE
+        if self.requested_ctx is not None:
+            limit = self.requested_ctx
+        else:
+            limit = self.trained_ctx
+        if needed > limit:
+            hint = (
+                f"; raise --ctx (up to {self.trained_ctx})" if limit < self.trained_ctx else " (the model's trained context)"
+            )
+            raise ContextOverflowError(
+                f"the document is {n_tokens:,} tokens and needs {needed:,} with room for a question and answer, "
+                f"but the context holds {limit:,}{hint}"
+            )
+        if self.requested_ctx is not None:
+            return self.requested_ctx
+        return min(self.trained_ctx, -(-needed // CTX_ROUND) * CTX_ROUND)
+
+    def state_key(self, text: str, n_ctx: int) -> kvstate.StateKey:
+        return kvstate.StateKey(
+            text_sha256=hashlib.sha256(text.encode()).hexdigest(),
+            model_sha256=self.model.sha256,
+            engine_build=self.engine.build_id or "",
+            n_ctx=n_ctx,
+            type_k=self.kv_type,
+            type_v=self.kv_type,
+            template_hash=self.parts.template_hash,
+            centroid_block=self._centroid_block(),
+        )
+
+    def _centroid_block(self) -> int:
+        return int(os.environ.get("LLAMA_KV_CENTROID_BLOCK", "16") or 0)
+
+    def load_document(
+        self,
+        text: str,
+        *,
+        label: str = "",
+        progress: Callable[[PrefillProgress], None] | None = None,
+        cancel: threading.Event | None = None,
+        use_cache: bool = True,
+    ) -> LoadResult:
+        """Prefill the document (or restore its saved state). Ctrl-C / cancel leaves nothing behind."""
+        self.parts = build_prompt(text, self.chat_template)
+        tokens = self.tokenize(self.parts.prefix, bos=True)
+        n_ctx = self.choose_ctx(len(tokens))
+        if self.llm is None or self.llm.n_ctx() != n_ctx:
+            self.llm = None
+            self.llm = self._new_llama(n_ctx=n_ctx)
+        self.n_prefix = 0
+        self.doc_label = label
+        key = self.state_key(text, n_ctx)
+        start = time.perf_counter()
+        rebuilt = None
+        if use_cache:
+            try:
+                saved = kvstate.load_state(key)
+            except (kvstate.StateCacheError, OSError) as err:
+                rebuilt = f"saved state discarded: {err}"
+                kvstate.discard(key)
+                saved = None
+            if saved is not None:
+                saved_tokens, state = saved
+                if list(saved_tokens) == tokens and self._set_state(state):
+                    self._mark_tokens(tokens)
+                    return LoadResult(len(tokens), n_ctx, True, time.perf_counter() - start)
+                rebuilt = "saved state did not match the document tokens or engine; rebuilt"
+                kvstate.discard(key)
+        self._prefill(tokens, progress, cancel)
+        seconds = time.perf_counter() - start
+        if use_cache:
+            kvstate.save_state(key, np.array(tokens, np.int32), self._get_state(), label=label)
+        return LoadResult(len(tokens), n_ctx, False, seconds, rebuilt)
+
+    def _prefill(
+        self,
+        tokens: list[int],
+        progress: Callable[[PrefillProgress], None] | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        llm = self.llm
+        self._clear_kv()
+        start = time.perf_counter()
+        try:
+            for i in range(0, len(tokens), self.n_batch):
+                if cancel is not None and cancel.is_set():
+                    raise CancelledError("cancelled: the document was not loaded")
+                llm.eval(tokens[i : i + self.n_batch])
+                if progress:
+                    progress(PrefillProgress(min(i + self.n_batch, len(tokens)), len(tokens), time.perf_counter() - start))
+        except KeyboardInterrupt:
+            self._clear_kv()
+            raise CancelledError("interrupted: the document was not loaded and nothing was saved") from None
+        except CancelledError:
+            self._clear_kv()
+            raise
+        except RuntimeError as err:
+            self._clear_kv()
+            raise EngineError(f"prefill failed: {err}") from None
+        self.n_prefix = len(tokens)
+
+    def _clear_kv(self) -> None:
+        module = llama_cpp()
+        module.llama_memory_clear(module.llama_get_memory(self.ctx), True)
+        self.llm.n_tokens = 0
+        self.n_prefix = 0
+
+    def _mark_tokens(self, tokens: list[int]) -> None:
+        self.llm.input_ids[: len(tokens)] = tokens
+        self.llm.n_tokens = len(tokens)
+        self.n_prefix = len(tokens)
+
+    def _get_state(self) -> bytes:
+        module = llama_cpp()
+        size = module.llama_state_seq_get_size(self.ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = module.llama_state_seq_get_data(self.ctx, buf, size, 0)
+        if written != size:
+            raise EngineError("could not read the KV state from the engine")
+        return bytes(buf)
+
+    def _set_state(self, state: bytes) -> bool:
+        module = llama_cpp()
+        self._clear_kv()
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        return module.llama_state_seq_set_data(self.ctx, buf, len(state), 0) == len(state)
+
+    # -- questions ------------------------------------------------------------------------
+
+    def _rewind(self) -> None:
+        """Drop the previous question and answer, keep the document."""
+        module = llama_cpp()
+        module.llama_memory_seq_rm(module.llama_get_memory(self.ctx), 0, self.n_prefix, -1)
+        self.llm.n_tokens = self.n_prefix
+
+    def _step(self, token: int, want_regions: bool) -> ReadStats | None:
+        self.llm.eval([token])
+        return read_stats(self.ctx, with_regions=want_regions)
+
+    def ask(
+        self,
+        question: str,
+        *,
+        route: RouteConfig | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int = 0,
+        want_regions: bool = False,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[AnswerPiece | AnswerSummary]:
+        """Stream the answer: AnswerPiece per token, then one AnswerSummary.
+
+        Every question and answer token is decoded on its own, so each attention query over the
+        document goes through the routed path (prefill of the document alone is dense).
+        """
+        if self.llm is None or self.n_prefix == 0:
+            raise UsageError("no document is loaded")
+        if not question.strip():
+            raise UsageError("the question is empty")
+        route = route or RouteConfig()
+        module = llama_cpp()
+        with self._lock:
+            self._rewind()
+            route.apply(self.ctx)
+            q_tokens = self.tokenize(self.parts.question_text(question), bos=False)
+            room = self.llm.n_ctx() - self.n_prefix - len(q_tokens)
+            if room < 1:
+                raise ContextOverflowError("the question does not fit in the context left after the document")
+            max_tokens = min(max_tokens, room)
+            summary = AnswerSummary("", len(q_tokens), 0, 0.0, route)
+            for token in q_tokens:
+                stats = self._step(token, want_regions)
+                if stats:
+                    summary.add(stats)
+            vocab = module.llama_model_get_vocab(self.llm.model)
+            n_vocab = self.llm.n_vocab()
+            rng = np.random.default_rng(seed)
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            pieces: list[str] = []
+            start = time.perf_counter()
+            try:
+                for _ in range(max_tokens):
+                    if cancel is not None and cancel.is_set():
+                        break
+                    logits = np.ctypeslib.as_array(module.llama_get_logits_ith(self.ctx, -1), shape=(n_vocab,))
+                    token = _sample(logits, temperature, rng)
+                    if module.llama_vocab_is_eog(vocab, token):
+                        break
+                    text = decoder.decode(self.llm.detokenize([token]))
+                    stats = self._step(token, want_regions)
+                    if stats:
+                        summary.add(stats)
+                    summary.n_answer_tokens += 1
+                    pieces.append(text)
+                    yield AnswerPiece(text, token, stats)
+            except KeyboardInterrupt:
+                pieces.append(decoder.decode(b"", final=True))
+                summary.text = "".join(pieces)
+                summary.decode_seconds = time.perf_counter() - start
+                raise
+            tail = decoder.decode(b"", final=True)
+            if tail:
+                pieces.append(tail)
+                yield AnswerPiece(tail, -1, None)
+            summary.decode_seconds = time.perf_counter() - start
+            summary.text = "".join(pieces)
+            yield summary
+
+    def answer(self, question: str, **kwargs) -> AnswerSummary:
+        """ask() without streaming."""
+        result = None
+        for event in self.ask(question, **kwargs):
+            if isinstance(event, AnswerSummary):
+                result = event
+        return result
+
+    def close(self) -> None:
+        self.llm = None
+        self._vocab_llm = None
+
+
+def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    scaled = (logits - logits.max()) / temperature
+    probs = np.exp(scaled)
+    probs /= probs.sum()
+    return int(rng.choice(len(probs), p=probs))

@@ -1,0 +1,14 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from synth_gguf import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight qwen2 GGUF (about 0.5 MB), written once per test session."""
+    return make_tiny_model(tmp_path_factory.mktemp("models"))

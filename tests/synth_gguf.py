@@ -1,0 +1,202 @@
+"""A tiny random-weight Qwen2 GGUF for tests: loads and decodes in llama.cpp in milliseconds.
+
+The layout mirrors what convert_hf_to_gguf.py writes for Qwen2.5: architecture
+`qwen2`, q/k/v biases, a byte-level BPE vocabulary (`gpt2` model, `qwen2`
+pre-tokenizer), `<|endoftext|>`/`<|im_start|>`/`<|im_end|>` control tokens and the
+Qwen2.5 ChatML template.  Weights are deterministic in `seed` and small, so logits
+are finite.  gguf-py takes numpy arrays shaped like PyTorch weights (out, in); it
+writes the dimensions reversed, which is llama.cpp's ne order ({in, out}).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter, LlamaFileType, TokenType
+from gguf.vocab import bytes_to_unicode
+
+TINY_MODEL_NAME = "tiny-qwen2.gguf"
+
+# Qwen2.5's tokenizer_config.json chat template, verbatim (as stored in its GGUFs).
+QWEN25_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# A few byte-level BPE merges, applied in this order; "Ġ" is the space byte.
+# llama.cpp refuses a gpt2 vocabulary without a merges key, and gguf-py silently
+# drops empty arrays, so at least one merge is needed.
+_MERGES = (
+    "Ġ t", "h e", "Ġt he", "i n", "Ġ a", "r e", "o n", "e r", "Ġ s", "e d", "Ġ w", "o r",
+    "i s", "Ġ o", "Ġ c", "a n", "e n", "i t", "Ġ i", "a t", "in g", "Ġ d", "Ġ f", "Ġ p",
+    "Ġ m", "Ġ b", "l l", "Ġ Ġ", "Ċ Ċ", "Ġa n", "Ġan d", "Ġo f", "Ġt o", "Ġi s", "Ġw or",
+    "Ġwor l", "Ġworl d", "he l", "hel l", "hell o", "Ġ hello", "Ġ q", "Ġq u",
+)
+
+
+def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): 256 byte tokens, merge results, 3 control tokens."""
+    tokens = [bytes_to_unicode()[b] for b in range(256)]  # token id == byte value
+    known = set(tokens)
+    for merge in _MERGES:
+        left, right = merge.split(" ")
+        assert left in known and right in known and left + right not in known, merge
+        tokens.append(left + right)
+        known.add(left + right)
+    types = [int(TokenType.NORMAL)] * len(tokens) + [int(TokenType.CONTROL)] * len(SPECIAL_TOKENS)
+    return tokens + list(SPECIAL_TOKENS), types, list(_MERGES)
+
+
+def write_tiny_qwen2(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_ctx: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight qwen2 GGUF (all tensors F32) to `path` and return it."""
+    if n_embd % n_head or n_head % n_head_kv:
+        raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
+    path = Path(path)
+    tokens, types, merges = tiny_vocab()
+    n_vocab = len(tokens)
+    n_embd_kv = n_embd // n_head * n_head_kv
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    tensors: dict[str, np.ndarray] = {
+        "token_embd.weight": rand(n_vocab, n_embd),
+        "output_norm.weight": ones(n_embd),
+        "output.weight": rand(n_vocab, n_embd),
+    }
+    for i in range(n_layer):
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": ones(n_embd),
+            f"blk.{i}.attn_q.weight": rand(n_embd, n_embd),
+            f"blk.{i}.attn_q.bias": rand(n_embd),
+            f"blk.{i}.attn_k.weight": rand(n_embd_kv, n_embd),
+            f"blk.{i}.attn_k.bias": rand(n_embd_kv),
+            f"blk.{i}.attn_v.weight": rand(n_embd_kv, n_embd),
+            f"blk.{i}.attn_v.bias": rand(n_embd_kv),
+            f"blk.{i}.attn_output.weight": rand(n_embd, n_embd),
+            f"blk.{i}.ffn_norm.weight": ones(n_embd),
+            f"blk.{i}.ffn_gate.weight": rand(n_ff, n_embd),
+            f"blk.{i}.ffn_up.weight": rand(n_ff, n_embd),
+            f"blk.{i}.ffn_down.weight": rand(n_embd, n_ff),
+        }
+
+    eot = tokens.index("<|endoftext|>")
+    im_end = tokens.index("<|im_end|>")
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_type("model")
+    writer.add_name("kvlocal tiny qwen2 (random weights)")
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    writer.add_context_length(n_ctx)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(eot)  # as in Qwen2.5's GGUFs; add_bos_token is false
+    writer.add_eos_token_id(im_end)
+    writer.add_eot_token_id(im_end)
+    writer.add_pad_token_id(eot)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(QWEN25_CHAT_TEMPLATE)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_truncated(path_src: str | os.PathLike[str], path_dst: str | os.PathLike[str], keep: float = 0.75) -> Path:
+    """Copy the first `keep` fraction of `path_src` to `path_dst` (a cut-off download)."""
+    data = Path(path_src).read_bytes()
+    dst = Path(path_dst)
+    dst.write_bytes(data[: int(len(data) * keep)])
+    return dst
+
+
+def make_tiny_model(directory: str | os.PathLike[str]) -> Path:
+    """`directory`/tiny-qwen2.gguf with default hparams, written once (fixture helper)."""
+    path = Path(directory) / TINY_MODEL_NAME
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        write_tiny_qwen2(tmp)
+        os.replace(tmp, path)
+    return path

@@ -1,0 +1,1 @@
+"""kvlocal.tui: the Textual app (`kvlocal tui`)."""

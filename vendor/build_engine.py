@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Fetch, verify, patch and install the pinned llama-cpp-python engine.
+
+Steps (each one loud on failure):
+  1. download the pinned sdist from the package registry (pip download), unless cached;
+  2. verify its size and sha256 against vendor/PIN;
+  3. unpack it under vendor/src/ (git-ignored) once;
+  4. apply patches/*.patch in order to the vendored llama.cpp; a changed patch series is
+     first reverse-applied, so the tree and the persistent build directory stay incremental;
+  5. pip-install the patched package into the current environment with a persistent
+     CMake build directory (vendor/build/<backend>), so a rebuild after a patch edit only
+     recompiles what changed.
+
+The patch-set id (sha256 over the patch files, in order) is compiled into the library and
+returned by llama_kvlocal_build_id(); kvlocal compares it with the repository's patches.
+
+Usage: python vendor/build_engine.py [--backend cpu|cuda|metal] [--cuda-arch 90]
+       [--jobs N] [--tests] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+VENDOR = Path(__file__).resolve().parent
+ROOT = VENDOR.parent
+PATCHES = ROOT / "patches"
+SRC = VENDOR / "src"
+BUILD = VENDOR / "build"
+DOWNLOADS = VENDOR / "downloads"
+
+
+def read_pin() -> dict[str, str]:
+    pin = {}
+    for line in (VENDOR / "PIN").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            pin[key.strip()] = value.strip()
+    return pin
+
+
+sys.path.insert(0, str(ROOT))
+from kvlocal.patchset import patch_files, patchset_id  # noqa: E402  (stdlib only)
+
+
+def say(msg: str) -> None:
+    print(f"[build_engine] {msg}", file=sys.stderr, flush=True)
+
+
+def die(msg: str) -> None:
+    say(f"error: {msg}")
+    sys.exit(1)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_sdist(pin: dict[str, str]) -> Path:
+    name = f"llama_cpp_python-{pin['version']}.tar.gz"
+    target = DOWNLOADS / name
+    if not target.exists():
+        DOWNLOADS.mkdir(parents=True, exist_ok=True)
+        say(f"downloading llama-cpp-python=={pin['version']} sdist from the package registry")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
+             "--no-build-isolation", f"llama-cpp-python=={pin['version']}", "-d", str(DOWNLOADS)],
+            check=True, stdout=sys.stderr,
+        )
+    if target.stat().st_size != int(pin["size"]):
+        die(f"{name}: size {target.stat().st_size} != pinned {pin['size']}; delete {target} and retry")
+    digest = sha256_file(target)
+    if digest != pin["sha256"]:
+        die(f"{name}: sha256 {digest} != pinned {pin['sha256']}; delete {target} and retry")
+    say(f"verified {name} (sha256 {digest[:12]}…)")
+    return target
+
+
+def unpack(sdist: Path, pin: dict[str, str]) -> Path:
+    tree = SRC / f"llama_cpp_python-{pin['version']}"
+    if not (tree / "pyproject.toml").exists():
+        SRC.mkdir(parents=True, exist_ok=True)
+        say(f"unpacking into {tree.relative_to(ROOT)}")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(SRC, filter="data")
+    return tree
+
+
+def run_patch(llama_dir: Path, patch: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-r", "-", "-s", *extra, "-i", str(patch)],
+        cwd=llama_dir, capture_output=True, text=True,
+    )
+
+
+def apply_patches(tree: Path) -> str:
+    llama_dir = tree / "vendor" / "llama.cpp"
+    applied_dir = tree / ".kvlocal-applied"
+    patches = patch_files()
+    wanted = [(p.name, p.read_bytes()) for p in patches]
+    applied = sorted(applied_dir.glob("*.patch")) if applied_dir.exists() else []
+    have = [(p.name, p.read_bytes()) for p in applied]
+
+    # keep the common prefix, reverse the rest (newest first), then apply what is missing
+    common = 0
+    while common < min(len(wanted), len(have)) and wanted[common] == have[common]:
+        common += 1
+    for path in reversed(applied[common:]):
+        say(f"reverting {path.name}")
+        res = run_patch(llama_dir, path, "--reverse")
+        if res.returncode != 0:
+            die(f"could not revert {path.name}:\n{res.stdout}{res.stderr}\n"
+                f"remove {tree} to start from a clean sdist")
+        path.unlink()
+    applied_dir.mkdir(exist_ok=True)
+    for path in patches[common:]:
+        say(f"applying {path.name}")
+        dry = run_patch(llama_dir, path, "--dry-run")
+        if dry.returncode != 0:
+            die(f"{path.name} does not apply to llama.cpp {tree.name}:\n{dry.stdout}{dry.stderr}")
+        res = run_patch(llama_dir, path)
+        if res.returncode != 0:
+            die(f"{path.name} failed to apply:\n{res.stdout}{res.stderr}")
+        shutil.copyfile(path, applied_dir / path.name)
+    return patchset_id(patches)
+
+
+def cmake_args(backend: str, cuda_arch: str | None, set_id: str) -> list[str]:
+    args = [
+        "-DLLAVA_BUILD=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_TOOLS=OFF",
+        "-DLLAMA_BUILD_SERVER=OFF",
+        f"-DKVLOCAL_PATCHSET_ID={set_id}",
+    ]
+    if backend == "cpu" and platform.machine() in ("x86_64", "AMD64"):
+        # GGML_NATIVE on an AMX-capable CPU crashes every decode in ggml_backend_amx_mul_mat
+        # (see DESIGN.md); keep native tuning but leave AMX out.
+        flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        args += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
+    if backend == "cuda":
+        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch or 'native'}"]
+    elif backend == "metal":
+        args += ["-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"]
+    return args
+
+
+def install(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: str) -> None:
+    build_dir = BUILD / backend
+    build_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.pop("CMAKE_ARGS", None)
+    env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(jobs)
+    # each -DKEY=VALUE becomes a scikit-build-core define, so values may hold spaces
+    defines = []
+    for arg in cmake_args(backend, cuda_arch, set_id):
+        key, _, value = arg[2:].partition("=")
+        defines += ["-C", f"cmake.define.{key}={value}"]
+    say(f"building {backend} engine (patch set {set_id}) in {build_dir.relative_to(ROOT)}; "
+        f"a fresh build takes minutes")
+    cmd = [
+        sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+        "--force-reinstall", "--no-cache-dir",
+        "-C", f"build-dir={build_dir}",
+        "-C", "cmake.build-type=Release",
+        *defines,
+        str(tree),
+    ]
+    res = subprocess.run(cmd, env=env, stdout=sys.stderr)
+    if res.returncode != 0:
+        die("pip install of the patched engine failed (see the log above)")
+    # the package was installed without resolving its dependencies (so pip never rebuilds or
+    # replaces anything else); install them from its metadata now
+    requires = [line.split(":", 1)[1].strip() for line in (tree / "PKG-INFO").read_text().splitlines()
+                if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    if requires:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requires], check=True, stdout=sys.stderr)
+
+
+def build_backend_ops_tests(tree: Path, jobs: int, set_id: str) -> Path:
+    """Build llama.cpp's test-backend-ops (CPU) from the patched tree."""
+    llama_dir = tree / "vendor" / "llama.cpp"
+    build_dir = BUILD / "tests-cpu"
+    args = [a for a in cmake_args("cpu", None, set_id) if not a.startswith("-DLLAVA")]
+    args = [a.replace("-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TESTS=ON") for a in args]
+    subprocess.run(["cmake", "-S", str(llama_dir), "-B", str(build_dir), "-G", "Ninja",
+                    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *args],
+                   check=True, stdout=sys.stderr)
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", "test-backend-ops", "-j", str(jobs)],
+                   check=True, stdout=sys.stderr)
+    binary = build_dir / "bin" / "test-backend-ops"
+    say(f"built {binary.relative_to(ROOT)}")
+    return binary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["cpu", "cuda", "metal"], default="cpu")
+    parser.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES (default: native)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--tests", action="store_true", help="also build test-backend-ops (CPU)")
+    parser.add_argument("--prepare-only", action="store_true", help="fetch, verify and patch; do not build")
+    parser.add_argument("--print-id", action="store_true", help="print the patch-set id and exit")
+    args = parser.parse_args()
+
+    if args.print_id:
+        print(patchset_id(patch_files()))
+        return
+    for tool in ("patch",):
+        if shutil.which(tool) is None:
+            die(f"'{tool}' is required (apt-get install {tool})")
+    pin = read_pin()
+    tree = unpack(fetch_sdist(pin), pin)
+    set_id = apply_patches(tree)
+    if args.prepare_only:
+        say(f"patched tree ready: {tree}")
+        return
+    install(tree, args.backend, args.cuda_arch, args.jobs, set_id)
+    if args.tests:
+        build_backend_ops_tests(tree, args.jobs, set_id)
+    say(f"done: engine with patch set {set_id}")
+
+
+if __name__ == "__main__":
+    main()
