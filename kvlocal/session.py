@@ -281,6 +281,18 @@ class Session:
         self.llm.n_tokens = 0
         self.n_prefix = 0
 
+    def span_text(self, start: int, end: int) -> str:
+        """The text of the tokens at positions [start, end) of the context (document, question, answer)."""
+        end = min(end, self.llm.n_tokens if self.llm else 0)
+        if start >= end:
+            return ""
+        tokens = [int(t) for t in self.llm.input_ids[start:end]]
+        return self.llm.detokenize(tokens, special=True).decode("utf-8", errors="replace")
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.model.info.n_layer or 0)
+
     def _mark_tokens(self, tokens: list[int]) -> None:
         self.llm.input_ids[: len(tokens)] = tokens
         self.llm.n_tokens = len(tokens)

@@ -213,6 +213,7 @@ def main() -> None:
     parser.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES (default: native)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--tests", action="store_true", help="also build test-backend-ops (CPU)")
+    parser.add_argument("--tests-only", action="store_true", help="only build test-backend-ops (CPU)")
     parser.add_argument("--prepare-only", action="store_true", help="fetch, verify and patch; do not build")
     parser.add_argument("--print-id", action="store_true", help="print the patch-set id and exit")
     args = parser.parse_args()
@@ -228,6 +229,9 @@ def main() -> None:
     set_id = apply_patches(tree)
     if args.prepare_only:
         say(f"patched tree ready: {tree}")
+        return
+    if args.tests_only:
+        build_backend_ops_tests(tree, args.jobs, set_id)
         return
     install(tree, args.backend, args.cuda_arch, args.jobs, set_id)
     if args.tests:

@@ -1,0 +1,46 @@
+# kvlocal: set-up, the demo and the tests. Everything installs into .venv from the package registry.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+BACKEND ?= cpu
+JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
+ENGINE_STAMP := $(VENV)/.engine-$(BACKEND)-$(shell $(PY) vendor/build_engine.py --print-id 2>/dev/null)
+BACKEND_OPS  := vendor/build/tests-cpu/bin/test-backend-ops
+
+.PHONY: setup demo test test-fast engine backend-ops clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.deps: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q scikit-build-core ninja cmake
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+# the patched engine; rebuilt (incrementally) whenever patches/ changes
+$(ENGINE_STAMP): $(VENV)/.deps $(wildcard patches/*.patch) vendor/PIN vendor/build_engine.py
+	$(BIN)/python vendor/build_engine.py --backend $(BACKEND) --jobs $(JOBS)
+	rm -f $(VENV)/.engine-$(BACKEND)-*
+	touch $@
+
+engine: $(ENGINE_STAMP)
+setup: engine
+
+# llama.cpp's test-backend-ops (CPU) with kvlocal's op cases
+$(BACKEND_OPS): $(ENGINE_STAMP)
+	$(BIN)/python vendor/build_engine.py --tests-only --jobs $(JOBS)
+
+backend-ops: $(BACKEND_OPS)
+
+demo: setup
+	$(BIN)/kvlocal demo
+
+test: setup backend-ops
+	KVLOCAL_BACKEND_OPS=$(BACKEND_OPS) $(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not model"
+
+clean:
+	rm -rf $(VENV) vendor/build vendor/src

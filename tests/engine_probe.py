@@ -1,0 +1,95 @@
+"""Low-level engine access for tests: a context with an eval callback that lists graph nodes."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from kvlocal.engine import llama_cpp
+
+
+def ggml_base() -> ctypes.CDLL:
+    module = llama_cpp()
+    lib_dir = Path(module.__file__).parent / "lib"
+    lib = ctypes.CDLL(str(next(lib_dir.glob("libggml-base.so*"))))
+    lib.ggml_op_desc.argtypes = [ctypes.c_void_p]
+    lib.ggml_op_desc.restype = ctypes.c_char_p
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_type_name.argtypes = [ctypes.c_int]
+    lib.ggml_type_name.restype = ctypes.c_char_p
+    return lib
+
+
+class GraphRecorder:
+    """Collects (op, name) of every node the scheduler evaluates while `recording` is true."""
+
+    def __init__(self) -> None:
+        self.lib = ggml_base()
+        self.nodes: list[tuple[str, str]] = []
+        self.recording = False
+        module = llama_cpp()
+
+        @module.ggml_backend_sched_eval_callback
+        def _callback(tensor, ask, user_data):  # noqa: ARG001
+            if ask and self.recording:
+                self.nodes.append((self.lib.ggml_op_desc(tensor).decode(), self.lib.ggml_get_name(tensor).decode()))
+            return False  # never ask for the data
+
+        self.callback = _callback
+
+
+class RawContext:
+    """A model + context made with the C API directly, so that cb_eval can be set."""
+
+    def __init__(self, model_path: Path, n_ctx: int = 2048, kv_type: int = 1, recorder: GraphRecorder | None = None):
+        m = llama_cpp()
+        mparams = m.llama_model_default_params()
+        self.model = m.llama_model_load_from_file(str(model_path).encode(), mparams)
+        assert self.model
+        cparams = m.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = 512
+        cparams.n_ubatch = 512
+        cparams.n_threads = 2
+        cparams.n_threads_batch = 2
+        cparams.flash_attn_type = m.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.type_k = kv_type
+        cparams.type_v = kv_type
+        if recorder is not None:
+            cparams.cb_eval = recorder.callback
+            cparams.cb_eval_user_data = None
+        self.ctx = m.llama_init_from_model(self.model, cparams)
+        assert self.ctx
+        self.n_past = 0
+        self.vocab = m.llama_model_get_vocab(self.model)
+        self.n_vocab = m.llama_vocab_n_tokens(self.vocab)
+
+    def decode(self, tokens: list[int]) -> None:
+        m = llama_cpp()
+        for i in range(0, len(tokens), 512):
+            chunk = tokens[i : i + 512]
+            batch = m.llama_batch_init(len(chunk), 0, 1)
+            try:
+                batch.n_tokens = len(chunk)
+                for j, tok in enumerate(chunk):
+                    batch.token[j] = tok
+                    batch.pos[j] = self.n_past + j
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = 0
+                    batch.logits[j] = j == len(chunk) - 1
+                assert m.llama_decode(self.ctx, batch) == 0
+            finally:
+                m.llama_batch_free(batch)
+            self.n_past += len(chunk)
+
+    def logits(self):
+        import numpy as np
+
+        m = llama_cpp()
+        return np.ctypeslib.as_array(m.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
+
+    def close(self) -> None:
+        m = llama_cpp()
+        m.llama_free(self.ctx)
+        m.llama_model_free(self.model)

@@ -1,0 +1,170 @@
+"""The CLI end to end on the tiny synthetic model: streams, summaries, exit codes, the KV state cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("llama_cpp")
+
+from synth_gguf import write_truncated  # noqa: E402
+
+from kvlocal import kvstate  # noqa: E402
+from kvlocal.cli import app  # noqa: E402
+from kvlocal.errors import CancelledError  # noqa: E402
+from kvlocal.session import Session  # noqa: E402
+
+DOC = "\n".join(f"Line {i}: the gauge at post {i} read {i * 13 % 97} units." for i in range(40))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def doc(tmp_path) -> Path:
+    path = tmp_path / "report.txt"
+    path.write_text(DOC)
+    return path
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def ask(doc, model, *extra):
+    return run("ask", str(doc), "What did post 7 read?", "--model", str(model), "--max-tokens", "4", *extra)
+
+
+def test_ask_streams_to_stdout_and_reports_to_stderr(cache_dir, doc, tiny_model):
+    first = ask(doc, tiny_model)
+    assert first.exit_code == 0, first.stderr
+    assert "kvlocal:" not in first.stdout
+    assert "prefilled in" in first.stderr and "state saved" in first.stderr
+    assert "KV reads over" in first.stderr and "fewer bytes" in first.stderr
+
+    second = ask(doc, tiny_model)
+    assert second.exit_code == 0, second.stderr
+    assert "cache hit, no prefill" in second.stderr
+    assert second.stdout == first.stdout  # greedy, same state
+
+
+def test_damaged_cache_entry_is_detected_and_rebuilt(cache_dir, doc, tiny_model):
+    assert ask(doc, tiny_model).exit_code == 0
+    [entry] = kvstate.list_entries()
+    data = bytearray(entry.path.read_bytes())
+    data[-100] ^= 0xFF
+    entry.path.write_bytes(bytes(data))
+
+    result = ask(doc, tiny_model)
+    assert result.exit_code == 0, result.stderr
+    assert "saved state discarded: its checksum does not match" in result.stderr
+    assert "prefilled in" in result.stderr
+    assert "cache hit" in ask(doc, tiny_model).stderr
+
+
+def test_mismatched_cache_entry_is_not_loaded(cache_dir, doc, tiny_model, tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text(DOC.replace("gauge", "meter"))
+    assert ask(other, tiny_model).exit_code == 0
+    assert ask(doc, tiny_model).exit_code == 0
+    a, b = kvstate.list_entries()
+    # put the other document's entry where this document's entry lives
+    os.replace(a.path if "other" in a.label else b.path, b.path if "other" in a.label else a.path)
+    result = ask(doc, tiny_model)
+    assert result.exit_code == 0
+    assert "does not match this document" in result.stderr
+
+
+def test_cache_list_and_clear(cache_dir, doc, tiny_model):
+    assert ask(doc, tiny_model).exit_code == 0
+    listing = run("cache", "list")
+    assert listing.exit_code == 0 and "report.txt" in listing.stdout
+    cleared = run("cache", "clear")
+    assert cleared.exit_code == 0 and "removed 1 saved KV state" in cleared.stderr
+    assert "no saved KV states" in run("cache", "list").stdout
+
+
+@pytest.mark.parametrize(
+    "name, content, code, message",
+    [
+        ("missing.txt", None, 1, "no such file"),
+        ("notes.xyz", b"hello", 2, "xyz"),
+        ("empty.txt", b"", 1, "empty"),
+        ("broken.pdf", b"%PDF-1.7\n1 0 obj\n<< /Type /Catalog", 1, "not a readable PDF"),
+    ],
+)
+def test_bad_documents_are_one_line_errors(cache_dir, tmp_path, tiny_model, name, content, code, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    result = run("ask", str(path), "q?", "--model", str(tiny_model))
+    assert result.exit_code == code
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_models_are_one_line_errors(cache_dir, doc, tiny_model, tmp_path):
+    truncated = write_truncated(tiny_model, tmp_path / "cut.gguf")
+    text = tmp_path / "fake.gguf"
+    text.write_text("not a model")
+    for model, code, message in [
+        (truncated, 1, "truncated or damaged"),
+        (text, 1, "not a GGUF model file"),
+        ("no-such-alias", 2, "unknown model"),
+    ]:
+        result = ask(doc, model)
+        assert result.exit_code == code, result.stderr
+        assert message in result.stderr.lower() or message in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_usage_errors_exit_2(cache_dir, doc, tiny_model):
+    assert ask(doc, tiny_model, "--route", "sideways").exit_code == 2
+    assert ask(doc, tiny_model, "--region", "48").exit_code == 2
+    assert ask(doc, tiny_model, "--kv-type", "q3").exit_code == 2
+
+
+def test_document_longer_than_context(cache_dir, tmp_path, tiny_model):
+    path = tmp_path / "long.txt"
+    path.write_text(DOC * 12)
+    result = run("ask", str(path), "q?", "--model", str(tiny_model))
+    assert result.exit_code == 1
+    assert "tokens" in result.stderr and "context holds 4,096" in result.stderr
+
+
+def test_interrupted_prefill_saves_nothing(cache_dir, tiny_model):
+    session = Session(str(tiny_model), n_batch=64)
+    calls = []
+
+    def progress(p):
+        calls.append(p)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(CancelledError):
+        session.load_document(DOC, progress=progress)
+    assert kvstate.list_entries() == []
+    assert not session.load_document(DOC).cache_hit
+
+
+def test_ask_does_not_import_textual(cache_dir, doc, tiny_model):
+    code = (
+        "import sys\n"
+        "from kvlocal.cli import app\n"
+        "from typer.testing import CliRunner\n"
+        f"r = CliRunner().invoke(app, ['ask', {str(doc)!r}, 'q?', '--model', {str(tiny_model)!r}, '-n', '2'])\n"
+        "assert r.exit_code == 0, r.stderr\n"
+        "print('textual' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

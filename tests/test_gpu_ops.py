@@ -1,0 +1,188 @@
+"""The routed decode graph keeps to what the CUDA and Metal backends implement.
+
+No GPU is needed: a real routed decode step runs on the CPU with an eval callback that records
+every node (op, types, shapes), and each node is checked against the conditions under which
+ggml-cuda (`ggml_backend_cuda_device_supports_op`) and ggml-metal
+(`ggml_metal_device_supports_op`) accept it in the pinned llama.cpp. The conditions are
+mirrored below for the ops and types the routed graph uses; a second test checks that both
+functions still name every one of those ops, so the mirror cannot silently go stale.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from engine_probe import RawContext, ggml_base  # noqa: E402
+from synth_gguf import write_tiny_qwen2  # noqa: E402
+
+from kvlocal.engine import llama_cpp  # noqa: E402
+from kvlocal.routing import RouteConfig  # noqa: E402
+
+GGML_MAX_DIMS, GGML_MAX_SRC = 4, 10
+F32, F16, Q8_0, I32, I64 = 0, 1, 8, 26, 27
+FLOATS = {F32, F16}
+
+
+class GgmlTensor(ctypes.Structure):
+    """The leading fields of struct ggml_tensor (ggml/include/ggml.h of the pinned ggml)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * GGML_MAX_SRC),
+    ]
+
+
+def describe(lib, ptr) -> dict:
+    t = GgmlTensor.from_address(ptr)
+    srcs = []
+    for s in t.src:
+        if not s:
+            break
+        st = GgmlTensor.from_address(s)
+        srcs.append({"type": st.type, "ne": tuple(st.ne)})
+    return {
+        "op": lib.ggml_op_desc(ptr).decode(),
+        "name": lib.ggml_get_name(ptr).decode(),
+        "type": t.type,
+        "ne": tuple(t.ne),
+        "src": srcs,
+    }
+
+
+def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: int = 1200) -> list[dict]:
+    lib = ggml_base()
+    nodes: list[dict] = []
+    state = {"on": False}
+    module = llama_cpp()
+
+    @module.ggml_backend_sched_eval_callback
+    def callback(tensor, ask, user_data):  # noqa: ARG001
+        if ask and state["on"]:
+            nodes.append(describe(lib, tensor))
+        return False
+
+    class _Rec:
+        pass
+
+    rec = _Rec()
+    rec.callback = callback
+    raw = RawContext(model, n_ctx=2048, kv_type=kv_type, recorder=rec)
+    try:
+        raw.decode([(i * 37) % 250 for i in range(n_doc)])
+        route.apply(raw.ctx)
+        state["on"] = True
+        raw.decode([11])
+    finally:
+        state["on"] = False
+        raw.close()
+    return nodes
+
+
+# -- the conditions, per backend ------------------------------------------------------------------
+
+
+def cuda_supports(n: dict) -> bool:
+    op, s = n["op"], n["src"]
+    if op in ("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"):
+        return True
+    if op == "GET_ROWS":  # src0 f16/f32/i32/q8_0 (and other quants)
+        return s[0]["type"] in {F32, F16, I32, Q8_0}
+    if op == "SET_ROWS":  # f32 -> f16/f32/q8_0 with i32/i64 indices
+        return n["type"] in {F32, F16, Q8_0} and s[0]["type"] == F32 and s[1]["type"] in {I32, I64}
+    if op in ("CPY", "CONT"):  # float <-> float, f32 <-> i32, f32 -> q8_0
+        pair = (s[0]["type"], n["type"])
+        return pair in {(a, b) for a in FLOATS for b in FLOATS} | {(F32, I32), (I32, F32), (F32, Q8_0)}
+    if op == "CONCAT":
+        return s[0]["type"] == s[1]["type"] == n["type"] == F32
+    if op == "TOP_K":  # without CUB (older toolkits) rows are limited to 1024
+        return s[0]["ne"][0] <= 1024
+    if op == "FLASH_ATTN_EXT":  # fattn.cu: head size 64/128 with equal V size, f16/q8_0 K and V, mask ne[2] == 1
+        mask_ok = len(s) < 4 or s[3]["ne"][2] == 1
+        return (
+            s[1]["ne"][0] in (64, 128) and s[2]["ne"][0] == s[1]["ne"][0] and s[1]["type"] in {F16, Q8_0}
+            and s[2]["type"] in {F16, Q8_0} and mask_ok
+        )
+    if op == "MUL_MAT":
+        return s[1]["type"] == F32
+    return op in {"ADD", "MUL", "SCALE", "REPEAT", "ARANGE", "POOL_2D", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
+
+
+def metal_supports(n: dict) -> bool:
+    op, s = n["op"], n["src"]
+    if op in ("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "SCALE", "ARANGE", "TOP_K"):
+        return True
+    if op == "GET_ROWS":
+        return True  # every type but NVFP4 / TQ1_0
+    if op == "SET_ROWS":
+        return s[0]["type"] == F32 and n["type"] in {F32, F16, Q8_0}
+    if op in ("CPY", "CONT"):
+        src, dst = s[0]["type"], n["type"]
+        return (src == F32 and dst in {F32, F16, Q8_0, I32}) or (src == F16 and dst in FLOATS) or (
+            src == I32 and dst in {F32, I32}
+        )
+    if op == "CONCAT":
+        return s[0]["type"] == s[1]["type"] == n["type"] and n["type"] in FLOATS
+    if op == "POOL_2D":
+        return s[0]["type"] == F32
+    if op == "FLASH_ATTN_EXT":  # listed head sizes; K and V of one type among f16/q8_0/...
+        return s[0]["ne"][0] in (32, 64, 128) and s[1]["type"] == s[2]["type"] and s[1]["type"] in {F16, Q8_0}
+    if op == "MUL_MAT":
+        return s[1]["type"] == F32
+    return op in {"ADD", "MUL", "REPEAT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
+
+
+@pytest.fixture(scope="module")
+def model64(tmp_path_factory):
+    # head_dim 64 like the default model (flash attention kernels exist for 64 and 128)
+    return write_tiny_qwen2(tmp_path_factory.mktemp("gpu") / "m64.gguf", n_embd=256, n_head=4, n_head_kv=2, seed=5)
+
+
+@pytest.mark.parametrize("kv_type", [F16, Q8_0])
+@pytest.mark.parametrize("mode", ["geometric", "window", "random"])
+def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, kv_type, mode):
+    nodes = record_decode_graph(model64, kv_type, RouteConfig(mode=mode, top_k=3, region=64))
+    routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent"))]
+    assert routed, "the decode step did not take the routed path"
+    bad_cuda = [(n["op"], n["name"]) for n in nodes if not cuda_supports(n)]
+    bad_metal = [(n["op"], n["name"]) for n in nodes if not metal_supports(n)]
+    assert not bad_cuda, f"nodes CUDA would not run: {bad_cuda}"
+    assert not bad_metal, f"nodes Metal would not run: {bad_metal}"
+
+
+def test_top_k_rows_stay_within_the_cuda_limit_at_the_trained_context():
+    # top_k scores one row of regions per KV head: 32,768 tokens / 64 = 512 regions <= 1024
+    assert 32768 // RouteConfig().region <= 1024
+
+
+def _vendored_ggml() -> Path | None:
+    root = Path(__file__).resolve().parent.parent / "vendor" / "src"
+    hits = sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp/ggml/src"))
+    return hits[0] if hits else None
+
+
+@pytest.mark.skipif(_vendored_ggml() is None, reason="the engine sources are not unpacked (vendor/build_engine.py)")
+def test_backends_still_list_the_ops_we_use():
+    src = _vendored_ggml()
+    used = {"GET_ROWS", "SET_ROWS", "CPY", "CONT", "CONCAT", "TOP_K", "FLASH_ATTN_EXT", "MUL_MAT", "ADD", "SCALE",
+            "REPEAT", "ARANGE", "POOL_2D"}
+    for path, fn in [
+        (src / "ggml-cuda" / "ggml-cuda.cu", "ggml_backend_cuda_device_supports_op"),
+        (src / "ggml-metal" / "ggml-metal-device.m", "ggml_metal_device_supports_op"),
+    ]:
+        text = path.read_text()
+        body = text[text.index(f"bool {fn}(") :]
+        body = body[: body.index("\n}\n")]
+        listed = set(re.findall(r"case GGML_OP_([A-Z0-9_]+):", body))
+        assert used <= listed, f"{path.name}: {sorted(used - listed)} no longer listed in {fn}"

@@ -1,0 +1,44 @@
+"""Behaviour on the real default model (downloaded from the package registry on first use).
+
+The sample report (about 3k tokens) plants an access code at a third of its depth.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.sample import SAMPLE_ANSWER, SAMPLE_QUESTION, sample_document  # noqa: E402
+from kvlocal.session import Session  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    s = Session(None)  # the default model
+    s.load_document(sample_document(), label="sample", use_cache=False)
+    yield s
+    s.close()
+
+
+def test_default_route_answers_the_planted_fact(session):
+    summary = session.answer(SAMPLE_QUESTION, max_tokens=32)
+    assert SAMPLE_ANSWER in summary.text
+    assert summary.fallback == ""
+    assert summary.reduction > 1.5  # 8 regions of 64 + sinks + window out of ~3.1k tokens
+
+
+def test_every_region_selected_reproduces_dense(session):
+    dense = session.answer(SAMPLE_QUESTION, route=RouteConfig(mode="full"), max_tokens=24)
+    routed = session.answer(SAMPLE_QUESTION, route=RouteConfig(mode="geometric", top_k=10_000), max_tokens=24)
+    assert routed.text == dense.text
+    assert SAMPLE_ANSWER in dense.text
+
+
+def test_window_control_misses_the_fact(session):
+    # sinks + window + 4 regions = 448 tokens near the end; the code sits ~1k tokens in
+    summary = session.answer(SAMPLE_QUESTION, route=RouteConfig(mode="window", top_k=4), max_tokens=32)
+    assert SAMPLE_ANSWER not in summary.text
