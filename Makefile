@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 BACKEND ?= cpu
 JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
 ENGINE_STAMP := $(VENV)/.engine-$(BACKEND)-$(shell $(PY) vendor/build_engine.py --print-id 2>/dev/null)
-BACKEND_OPS  := vendor/build/tests-cpu/bin/test-backend-ops
+BACKEND_OPS  := vendor/build/tests-cpu/test-backend-ops
 
 .PHONY: setup demo test test-fast engine backend-ops clean
 

@@ -28,7 +28,9 @@ SUFFIX = ".kvstate"
 
 @dataclass(frozen=True)
 class StateKey:
-    """Everything that decides the bytes of a prefilled document state."""
+    """Everything that decides the bytes of a prefilled document state.
+
+    Region centroids are not part of the state: the engine recomputes them after a load."""
 
     text_sha256: str
     model_sha256: str
@@ -37,7 +39,6 @@ class StateKey:
     type_k: str
     type_v: str
     template_hash: str
-    centroid_block: int
 
     def digest(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()

@@ -201,11 +201,7 @@ class Session:
             type_k=self.kv_type,
             type_v=self.kv_type,
             template_hash=self.parts.template_hash,
-            centroid_block=self._centroid_block(),
         )
-
-    def _centroid_block(self) -> int:
-        return int(os.environ.get("LLAMA_KV_CENTROID_BLOCK", "16") or 0)
 
     def load_document(
         self,

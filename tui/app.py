@@ -1,0 +1,610 @@
+"""The kvlocal app: open a document, ask questions, watch which KV regions each decode step reads.
+
+Engine work (opening the model, prefill, decoding) runs in thread workers; they post messages (see
+messages.py) or, for the per-token stream, write into a `LiveAnswer` that a UI timer drains, so widgets
+are only touched on the app's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.timer import Timer
+from textual.widgets import Footer, Header, Input, OptionList
+
+from kvlocal.errors import CancelledError, KvlocalError
+from kvlocal.progress import human_seconds
+from kvlocal.routing import RouteConfig
+from kvlocal.tui.answer_log import AnswerEntry, AnswerLog, route_label
+from kvlocal.tui.counters import ReadCounters
+from kvlocal.tui.file_picker import FilePicker
+from kvlocal.tui.heatmap import NOW, SHADES, KvHeatmap
+from kvlocal.tui.help_screen import HelpScreen
+from kvlocal.tui.live import LiveAnswer, ReadMap, StepCounters, regions_for
+from kvlocal.tui.load_screen import LoadScreen
+from kvlocal.tui.messages import (
+    AnswerFailed,
+    AnswerFinished,
+    DocumentFailed,
+    DocumentLoaded,
+    DocumentRead,
+    LoadedDocument,
+    ModelProgress,
+    PrefillProgressed,
+    SessionFailed,
+    SessionOpened,
+)
+from kvlocal.tui.region_view import RegionView
+from kvlocal.tui.sources import Source, SourcesList, rank_sources
+
+MODES = ("geometric", "full", "window", "random")
+TOP_K_STEPS = (0, 1, 2, 4, 8, 16, 32, 64)
+DRAIN_INTERVAL = 0.08  # seconds between heatmap / answer repaints while decoding
+
+ModelProgressFn = Callable[[int, int, str], None]
+SessionFactory = Callable[[ModelProgressFn], Any]  # returns a kvlocal.session.Session
+
+WELCOME = "No document loaded. Press ctrl+o to open one (pdf, txt, md, html, epub); f1 shows help."
+
+
+def default_session_factory(model: str | None, threads: int | None) -> SessionFactory:
+    def factory(progress: ModelProgressFn):
+        from kvlocal.session import Session
+
+        return Session(model, threads=threads, model_progress=progress)
+
+    return factory
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class KvlocalApp(App[None]):
+    """See the module docstring. `session_factory(model_progress)` builds the Session (tests inject one)."""
+
+    CSS_PATH = "kvlocal.tcss"
+    TITLE = "kvlocal"
+    ENABLE_COMMAND_PALETTE = False
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall"), (48, "-very-tall")]
+
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+        Binding("f1,question_mark", "help", "Help", key_display="f1"),
+        Binding("ctrl+o", "open", "Open"),
+        Binding("f2,m", "cycle_mode", "Mode", key_display="f2"),
+        Binding("f3,minus", "budget(-1)", "-k", key_display="f3"),
+        Binding("f4,plus", "budget(1)", "+k", key_display="f4"),
+        Binding("f5,r", "reask", "Re-ask", key_display="f5"),
+        Binding("escape", "cancel", "Cancel", show=False),
+    ]
+
+    def __init__(
+        self,
+        document: Path | str | None = None,
+        *,
+        model: str | None = None,
+        threads: int | None = None,
+        session_factory: SessionFactory | None = None,
+        route: RouteConfig | None = None,
+        max_tokens: int = 256,
+    ) -> None:
+        super().__init__()
+        self.initial_document = Path(document) if document is not None else None
+        self.session_factory = session_factory or default_session_factory(model, threads)
+        self.session: Any = None
+        self.document: LoadedDocument | None = None
+        self.route = route or RouteConfig()
+        self.max_tokens = max_tokens
+        self.busy: str | None = None  # "load" or "answer" while a worker runs
+        self.last_question: str | None = None
+        self.live: LiveAnswer | None = None
+        self.live_entry: AnswerEntry | None = None
+        self.shown_entry: AnswerEntry | None = None  # the finished answer whose reads the heatmap shows
+        self._cancel = threading.Event()
+        self._entry_ids = itertools.count(1)
+        self._region_text: dict[int, str] = {}
+        self._load_screen: LoadScreen | None = None
+        self._drain_timer: Timer | None = None
+        self._welcome = None
+        self._read_stage = ""
+
+    # -- layout -------------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="▦")
+        with Vertical(id="heat-panel"):
+            yield KvHeatmap(id="heatmap")
+            yield ReadCounters(id="counters")
+        with Horizontal(id="main"):
+            yield AnswerLog(id="log")
+            with Vertical(id="side"):
+                yield RegionView(id="region")
+                yield SourcesList(id="sources")
+        yield Input(placeholder="Ask a question about the document (enter)", id="question")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        panel = self.query_one("#heat-panel")
+        panel.border_subtitle = f"[{NOW}]■[/] this step  [{SHADES[-1]}]■[/]/[{SHADES[1]}]■[/] this answer"
+        self.query_one(RegionView).border_title = "region text"
+        self.query_one(SourcesList).border_title = "where the answer read"
+        self.query_one(SourcesList).set_sources([], empty="most-read regions appear after an answer")
+        self._update_route_title()
+        self._welcome = self.log_widget.add_notice(WELCOME)
+        self._drain_timer = self.set_interval(DRAIN_INTERVAL, self._drain_live, pause=True)
+        self.query_one("#question", Input).focus()
+        if self.initial_document is not None:
+            self.open_document(self.initial_document)
+
+    @property
+    def log_widget(self) -> AnswerLog:
+        return self.query_one("#log", AnswerLog)
+
+    @property
+    def heatmap(self) -> KvHeatmap:
+        return self.query_one("#heatmap", KvHeatmap)
+
+    @property
+    def counters(self) -> ReadCounters:
+        return self.query_one("#counters", ReadCounters)
+
+    def _update_route_title(self) -> None:
+        r = self.route
+        if r.mode == "full":
+            budget = "dense attention"
+        else:
+            budget = f"k={r.top_k} × R{r.region} · sinks {r.sinks} · window {r.window}"
+        self.query_one("#heat-panel").border_title = f"KV reads · {r.mode} · {budget}"
+
+    def _update_subtitle(self) -> None:
+        doc = self.document
+        if doc is None:
+            self.sub_title = "no document"
+            return
+        how = "cache hit" if doc.cache_hit else "prefilled"
+        self.sub_title = f"{doc.name} · {doc.n_tokens:,} tokens · ctx {doc.n_ctx:,} · {how}"
+
+    # -- opening documents --------------------------------------------------------------------------
+
+    def action_open(self) -> None:
+        if self.busy:
+            self.notify("Wait for the current work to finish (esc cancels it).", severity="warning")
+            return
+        start = self.document.path.parent if self.document else None
+        self.push_screen(FilePicker(start), self._picked)
+
+    def _picked(self, path: Path | None) -> None:
+        if path is not None:
+            self.open_document(path)
+
+    def open_document(self, path: Path) -> None:
+        """Read, prefill (or restore) the document in a worker, behind the progress screen."""
+        if self.busy:
+            self.notify("Busy; esc cancels the current work.", severity="warning")
+            return
+        path = Path(path).expanduser()
+        self.busy = "load"
+        self._cancel = threading.Event()
+        self._load_screen = LoadScreen(f"Opening {path.name}")
+        self.push_screen(self._load_screen)
+        self._load_worker(path, self._cancel)
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def _load_worker(self, path: Path, cancel: threading.Event) -> None:
+        from kvlocal.ingest import load_document
+
+        try:
+            doc = load_document(path)
+        except KvlocalError as err:
+            self.post_message(DocumentFailed(path, str(err)))
+            return
+        except Exception as err:  # noqa: BLE001 - anything unexpected is shown, not raised
+            self.post_message(DocumentFailed(path, f"{type(err).__name__}: {err}"))
+            return
+        self.post_message(DocumentRead(path, doc.kind, len(doc.text)))
+        session = self.session
+        if session is None:
+            try:
+                session = self.session_factory(lambda done, total, stage: self.post_message(ModelProgress(done, total, stage)))
+            except KvlocalError as err:
+                self.post_message(SessionFailed(str(err)))
+                return
+            except Exception as err:  # noqa: BLE001
+                self.post_message(SessionFailed(f"{type(err).__name__}: {err}"))
+                return
+            self.post_message(SessionOpened(session))
+        try:
+            if cancel.is_set():
+                raise CancelledError("cancelled: the document was not loaded")
+            result = session.load_document(
+                doc.text,
+                label=str(path),
+                progress=lambda p: self.post_message(PrefillProgressed(p)),
+                cancel=cancel,
+            )
+        except CancelledError as err:
+            self.post_message(DocumentFailed(path, str(err), cancelled=True))
+            return
+        except KvlocalError as err:
+            self.post_message(DocumentFailed(path, str(err)))
+            return
+        except Exception as err:  # noqa: BLE001
+            self.post_message(DocumentFailed(path, f"{type(err).__name__}: {err}"))
+            return
+        loaded = LoadedDocument(
+            path=path,
+            kind=doc.kind,
+            n_tokens=result.n_tokens,
+            n_ctx=result.n_ctx,
+            cache_hit=result.cache_hit,
+            seconds=result.seconds,
+            rebuilt_reason=result.rebuilt_reason,
+        )
+        self.post_message(DocumentLoaded(loaded))
+
+    def on_model_progress(self, message: ModelProgress) -> None:
+        if self._load_screen is not None:
+            self._load_screen.set_model_progress(message.done, message.total, message.stage)
+
+    def on_session_opened(self, message: SessionOpened) -> None:
+        self.session = message.session
+        if self._load_screen is not None:
+            self._load_screen.set_stage(f"{self._read_stage} · prefilling (or restoring the saved state)…")
+
+    def on_document_read(self, message: DocumentRead) -> None:
+        self._read_stage = f"{message.kind} · {message.n_chars:,} characters"
+        if self._load_screen is not None:
+            stage = "opening the model…" if self.session is None else "prefilling (or restoring the saved state)…"
+            self._load_screen.set_stage(f"{self._read_stage} · {stage}")
+
+    def on_prefill_progressed(self, message: PrefillProgressed) -> None:
+        p = message.progress
+        if self._load_screen is not None:
+            self._load_screen.set_prefill(p.done, p.total, p.rate, p.eta)
+
+    def _close_load_screen(self) -> None:
+        if self._load_screen is not None:
+            if self.screen is self._load_screen:
+                self.pop_screen()
+            self._load_screen = None
+
+    def on_session_failed(self, message: SessionFailed) -> None:
+        self.busy = None
+        self._close_load_screen()
+        self.log_widget.add_notice(f"The model could not be opened: {message.error}", error=True)
+        self.notify(message.error, title="model", severity="error", timeout=10)
+
+    def on_document_failed(self, message: DocumentFailed) -> None:
+        self.busy = None
+        self._close_load_screen()
+        if message.cancelled:
+            self.notify(f"Loading {message.path.name} was cancelled.", severity="warning")
+            self.log_widget.add_notice(f"Loading {message.path.name} was cancelled.")
+        else:
+            self.log_widget.add_notice(f"Could not open {message.path.name}: {message.error}", error=True)
+            self.notify(message.error, title="document", severity="error", timeout=10)
+        if self.document is not None and (self.session is None or not self.session.n_prefix):
+            # the session dropped the previous document when the new prefill started
+            self.log_widget.add_notice(f"{self.document.name} is no longer loaded; open a document again.")
+            self._set_document(None)
+
+    def on_document_loaded(self, message: DocumentLoaded) -> None:
+        self.busy = None
+        self._close_load_screen()
+        doc = message.document
+        if self._welcome is not None:
+            self._welcome.remove()
+            self._welcome = None
+        self._set_document(doc)
+        if doc.cache_hit:
+            detail = "cache hit: restored the saved KV state"
+            toast = f"{detail} in {doc.seconds:.1f} s"
+        else:
+            detail = "prefilled; KV state saved"
+            toast = f"prefilled in {human_seconds(doc.seconds)} ({doc.n_tokens / max(doc.seconds, 1e-9):,.0f} tok/s)"
+        self.log_widget.add_notice(f"Loaded {doc.name}: {doc.n_tokens:,} tokens, context {doc.n_ctx:,} ({detail}).")
+        if doc.rebuilt_reason:
+            self.log_widget.add_notice(doc.rebuilt_reason)
+        self.notify(toast, title=doc.name)
+        self.query_one("#question", Input).focus()
+
+    def _set_document(self, doc: LoadedDocument | None) -> None:
+        self.document = doc
+        self._region_text.clear()
+        self.shown_entry = None
+        self.log_widget.mark_selected(None)
+        self._update_subtitle()
+        region_view = self.query_one(RegionView)
+        if doc is None or self.session is None:
+            self.heatmap.set_reads(None)
+            region_view.show_empty("No document loaded.")
+        else:
+            self.heatmap.set_reads(self._empty_reads())
+            region_view.show_empty()
+        self.heatmap.selected = None
+        self.counters.show_idle()
+        self.query_one(SourcesList).set_sources([], empty="most-read regions appear after an answer")
+
+    def _empty_reads(self) -> ReadMap:
+        n_prefix = self.session.n_prefix
+        R = self.route.region
+        return ReadMap.empty(self.session.n_layer, regions_for(n_prefix, R), R, regions_for(self.document.n_ctx, R))
+
+    # -- asking -------------------------------------------------------------------------------------
+
+    @on(Input.Submitted, "#question")
+    def _question_submitted(self, event: Input.Submitted) -> None:
+        question = event.value.strip()
+        if not question:
+            return
+        if self.ask(question):
+            event.input.value = ""
+
+    def ask(self, question: str) -> bool:
+        """Start answering `question` with the current route; False (with a notice) when not possible."""
+        if self.busy:
+            self.notify("Busy; esc cancels the current work.", severity="warning")
+            return False
+        if self.document is None or self.session is None:
+            self.notify("Open a document first (ctrl+o).", severity="warning")
+            return False
+        self.last_question = question
+        entry_id = next(self._entry_ids)
+        route = self.route
+        entry = self.log_widget.add_entry(entry_id, question, route)
+        self.live_entry = entry
+        self.live = LiveAnswer(self.session.n_layer, self.document.n_ctx, self.session.n_prefix, route.region)
+        self.shown_entry = None
+        self.log_widget.mark_selected(None)
+        self.heatmap.set_reads(self.live.reads())
+        self.counters.show_idle("decoding the question…")
+        self.busy = "answer"
+        self._cancel = threading.Event()
+        self._ask_worker(self.session, question, route, self.live, entry_id, self._cancel)
+        if self._drain_timer is not None:
+            self._drain_timer.resume()
+        return True
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def _ask_worker(self, session, question: str, route: RouteConfig, live: LiveAnswer, entry_id: int, cancel) -> None:
+        from kvlocal.session import AnswerSummary
+
+        summary = None
+        try:
+            for event in session.ask(
+                question, route=route, max_tokens=self.max_tokens, want_regions=True, cancel=cancel
+            ):
+                if isinstance(event, AnswerSummary):
+                    summary = event
+                else:
+                    live.add(event)
+        except KvlocalError as err:
+            self.post_message(AnswerFailed(entry_id, str(err)))
+            return
+        except Exception as err:  # noqa: BLE001
+            self.post_message(AnswerFailed(entry_id, f"{type(err).__name__}: {err}"))
+            return
+        self.post_message(AnswerFinished(entry_id, summary, cancel.is_set()))
+
+    async def _drain_live(self) -> None:
+        """Timer: move what the worker decoded since the last tick into the widgets."""
+        live, entry = self.live, self.live_entry
+        if live is None or entry is None:
+            return
+        update = live.take()
+        if update is None:
+            return
+        if update.text:
+            await entry.write(update.text)
+        if update.reads is not None:
+            self.heatmap.set_reads(update.reads)
+            self._refresh_region_view()
+        if update.step is not None:
+            self.counters.show_live(update.step, update.totals, update.n_tokens, update.rate)
+        entry.totals = update.totals
+
+    async def on_answer_finished(self, message: AnswerFinished) -> None:
+        await self._drain_live()
+        entry = self.log_widget.entry(message.entry_id)
+        live = self.live
+        self._stop_live()
+        if entry is None:
+            return
+        summary = message.summary
+        reads = live.reads() if live is not None else None
+        entry.reads = reads
+        entry.summary = summary
+        parts = [route_label(entry.route), f"{summary.n_answer_tokens} tok", f"{summary.decode_rate:,.1f} tok/s"]
+        if summary.bytes_dense:
+            parts.append(f"{summary.reduction:.1f}× fewer KV bytes")
+        if message.cancelled:
+            parts.append("stopped")
+        if summary.fallback:
+            parts.append(f"dense fallback: {summary.fallback}")
+        await entry.finish(" · ".join(parts))
+        self._show_entry(entry, select=False)
+
+    async def on_answer_failed(self, message: AnswerFailed) -> None:
+        await self._drain_live()
+        entry = self.log_widget.entry(message.entry_id)
+        self._stop_live()
+        if entry is not None:
+            await entry.finish(f"error: {message.error}", error=True)
+        self.notify(message.error, title="answer", severity="error", timeout=10)
+
+    def _stop_live(self) -> None:
+        self.busy = None
+        self.live = None
+        self.live_entry = None
+        if self._drain_timer is not None:
+            self._drain_timer.pause()
+
+    def on_answer_entry_selected(self, message: AnswerEntry.Selected) -> None:
+        if self.busy != "answer":
+            self._show_entry(message.entry, select=True)
+
+    def _show_entry(self, entry: AnswerEntry, *, select: bool) -> None:
+        """Show a finished answer's reads in the heatmap, counters and sources."""
+        self.shown_entry = entry
+        self.log_widget.mark_selected(entry if select else None)
+        reads = entry.reads
+        summary = entry.summary
+        if reads is not None:
+            self.heatmap.set_reads(reads)
+        totals = entry.totals or StepCounters()
+        if summary is not None:
+            totals = StepCounters(
+                rows_read=summary.rows_read,
+                rows_dense=summary.rows_dense,
+                bytes_read=summary.bytes_read,
+                bytes_meta=summary.bytes_meta,
+                bytes_dense=summary.bytes_dense,
+                reduction=summary.reduction,
+                fallback=summary.fallback,
+            )
+            self.counters.show_live(
+                None,
+                totals,
+                summary.n_answer_tokens,
+                summary.decode_rate,
+                label=f"answer {entry.entry_id} · {route_label(entry.route)}",
+            )
+        self._update_sources(entry)
+
+    def _update_sources(self, entry: AnswerEntry) -> None:
+        sources_list = self.query_one(SourcesList)
+        reads = entry.reads
+        route = entry.route
+        if route.mode == "full":
+            sources_list.set_sources([], empty="full attention: every step read every region")
+            self._refresh_region_view()
+            return
+        n_sink = regions_for(route.sinks, route.region)
+        ranked = rank_sources(reads, n_sink_regions=n_sink)
+        sources = [Source(r, n, share, fixed, _one_line(self.region_text(r))[:120]) for r, n, share, fixed in ranked]
+        sources_list.set_sources(sources, empty="no document region was read beyond the sinks")
+        if sources:
+            sources_list.highlighted = 0
+        else:
+            self._refresh_region_view()
+
+    @on(OptionList.OptionHighlighted, "#sources")
+    def _source_highlighted(self, event: OptionList.OptionHighlighted) -> None:
+        source = self.query_one(SourcesList).source_at(event.option_index)
+        if source is not None:
+            self.heatmap.select(source.region)
+
+    # -- regions ------------------------------------------------------------------------------------
+
+    def region_text(self, region: int) -> str:
+        """The text of a region of the context (cached for document regions)."""
+        if self.session is None:
+            return ""
+        R = self.route.region
+        if region in self._region_text:
+            return self._region_text[region]
+        start, end = region * R, (region + 1) * R
+        try:
+            text = self.session.span_text(start, end)
+        except Exception as err:  # noqa: BLE001 - a display helper must not take the app down
+            return f"(text unavailable: {err})"
+        if end <= self.session.n_prefix:
+            self._region_text[region] = text
+        return text
+
+    def on_kv_heatmap_region_selected(self, message: KvHeatmap.RegionSelected) -> None:
+        self._refresh_region_view()
+
+    def _refresh_region_view(self) -> None:
+        region = self.heatmap.selected
+        view = self.query_one(RegionView)
+        reads = self.heatmap.reads
+        if region is None or reads is None or self.session is None:
+            return
+        R = reads.region_size
+        n_sink = regions_for(self.route.sinks, R)
+        if region < n_sink:
+            where = "sink"
+        elif region < reads.doc_regions:
+            where = "document"
+        else:
+            where = "question/answer"
+        view.show_region(
+            region,
+            R,
+            self.region_text(region),
+            reads=reads.region_total(region),
+            layers=reads.layers_reading(region),
+            n_layer=reads.n_layer,
+            steps=reads.steps,
+            where=where,
+        )
+
+    # -- route controls -----------------------------------------------------------------------------
+
+    def action_cycle_mode(self) -> None:
+        mode = MODES[(MODES.index(self.route.mode) + 1) % len(MODES)]
+        self.route = replace(self.route, mode=mode)
+        self._route_changed()
+
+    def action_budget(self, direction: int) -> None:
+        k = self.route.top_k
+        if direction > 0:
+            bigger = [s for s in TOP_K_STEPS if s > k]
+            k = bigger[0] if bigger else k
+        else:
+            smaller = [s for s in TOP_K_STEPS if s < k]
+            k = smaller[-1] if smaller else k
+        self.route = replace(self.route, top_k=k)
+        self._route_changed()
+
+    def _route_changed(self) -> None:
+        self._update_route_title()
+        hint = " · f5 asks the last question again" if self.last_question else ""
+        self.notify(f"route: {self.route.describe()}{hint}", timeout=3)
+
+    def action_reask(self) -> None:
+        if self.last_question is None:
+            self.notify("Ask a question first.", severity="warning")
+            return
+        self.ask(self.last_question)
+
+    # -- misc ---------------------------------------------------------------------------------------
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_cancel(self) -> None:
+        if self.busy:
+            self._cancel.set()
+            if self.busy == "answer":
+                self.notify("Stopping the answer…", timeout=2)
+            return
+        focused = self.focused
+        if isinstance(focused, Input):
+            self.heatmap.focus()
+
+    async def action_quit(self) -> None:
+        self._cancel.set()  # a running prefill or answer stops at its next step
+        self.exit()
+
+    def on_unmount(self) -> None:
+        self._cancel.set()
+
+
+def run_app(document: Path | None = None, model: str | None = None, threads: int | None = None) -> None:
+    """Entry point of `kvlocal tui`."""
+    KvlocalApp(document, model=model, threads=threads).run()
