@@ -244,6 +244,134 @@ def tui(
     run_app(document=document, model=model, threads=threads)
 
 
+def _ints(text: str) -> list[int]:
+    from kvlocal.errors import UsageError
+
+    try:
+        return [int(x.replace("k", "")) * (1024 if x.endswith("k") else 1) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"expected a comma-separated list of numbers, got {text!r}") from None
+
+
+@app.command("eval")
+@handles_errors
+def eval_(
+    quick: Annotated[bool, typer.Option("--quick", help="2k and 4k, two depths, passkey: a few minutes; checks the ordering.")] = False,
+    lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4k,8k,16k,32k.")] = "4k,8k,16k,32k",
+    depths: Annotated[int, typer.Option("--depths", help="Needle depths from 0% to 100%.")] = 11,
+    tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,multivalue,multiquery,vartrack,cwe")] = "passkey",
+    modes: Annotated[str, typer.Option("--modes", help="Routing modes to compare.")] = "full,geometric,window,random",
+    sweep: Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")] = "",
+    seeds: Annotated[str, typer.Option("--seeds", help="Haystack seeds.")] = "0",
+    haystack: Annotated[Optional[Path], typer.Option("--haystack", help="Plant the needles into this document instead of generated prose.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Folder for results.jsonl, summary.json and plots.")] = Path("kvlocal-eval"),
+    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots (needs matplotlib).")] = True,
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    top_k: TopKOpt = 8,
+    region: RegionOpt = 64,
+    window: WindowOpt = 128,
+    sinks: SinksOpt = 64,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Most answer tokens per probe (default: by task).")] = None,
+) -> None:
+    """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
+
+    Results are appended to OUT/results.jsonl as they come (a rerun resumes); the markdown table goes to stdout.
+    """
+    from kvlocal.evals import report
+    from kvlocal.evals.runner import GridConfig, run_grid
+    from kvlocal.ingest import load_document
+
+    if quick:
+        lengths, depths, tasks, top_k = "2k,4k", 3, "passkey", min(top_k, 4)
+    n = max(depths, 2)
+    config = GridConfig(
+        lengths=_ints(lengths), depths=[round(i / (n - 1), 3) for i in range(n)] if not quick else [0.25, 0.5],
+        tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=[m.strip() for m in modes.split(",")],
+        seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks, sweep=_ints(sweep),
+        max_tokens=max_tokens,
+    )
+    for mode in config.modes:
+        _route(mode, top_k, region, window, sinks, 0)  # validates
+    filler = load_document(haystack).text if haystack else None
+    session = _open_session(model, None, threads, "f16")
+    rows = run_grid(session, config, out / "results.jsonl", filler=filler,
+                    haystack_name=str(haystack or ""), log=lambda line: err(f"kvlocal: {line}"))
+    summary = report.summarize([r for r in rows if r["length"] in config.lengths and r["task"] in config.tasks])
+    report.write_json(summary, out / "summary.json")
+    print(report.markdown(summary))
+    if plots:
+        try:
+            for path in report.plot(rows, summary, out):
+                err(f"kvlocal: wrote {path}")
+        except ImportError as e:
+            err(f"kvlocal: no plots: {e}")
+    if quick:
+        problems = report.check_ordering(summary)
+        for p in problems:
+            err(f"kvlocal: check failed: {p}")
+        if problems:
+            raise typer.Exit(1)
+        err("kvlocal: check passed: geometric matches full; window and random fall below on needles outside the window")
+
+
+@app.command()
+@handles_errors
+def bench(
+    lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k.")] = "8k,16k,32k",
+    tokens: Annotated[int, typer.Option("--tokens", help="Answer tokens timed per run.")] = 48,
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    top_k: TopKOpt = 8,
+    region: RegionOpt = 64,
+    window: WindowOpt = 128,
+    sinks: SinksOpt = 64,
+    upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
+) -> None:
+    """Decode speed of geometric vs full on the same prefilled state, memory, and time to first token."""
+    import json
+
+    from kvlocal.evals import bench as b
+    from kvlocal.evals.tasks import build_case
+    from kvlocal.progress import human_bytes
+
+    route = _route("geometric", top_k, region, window, sinks, 0)
+    session = _open_session(model, None, threads, "f16")
+    log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
+    results = b.bench_lengths(session, _ints(lengths), route, n_tokens=tokens, log=log)
+    count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
+    small = build_case("passkey", 4096 - 1024, [0.5], seed=1, count_tokens=count)
+    ttft = b.time_to_first_token(session, small.text, route, small.probes[0].question)
+    report = {
+        "model": session.model.alias or str(session.model.path), "threads": session.threads, "route": route.describe(),
+        "lengths": [{"length": r.length, "n_tokens": r.n_tokens, "kv_bytes": r.kv_bytes,
+                     "full_tps": r.runs["full"].rate, "geometric_tps": r.runs["geometric"].rate,
+                     "speedup": r.speedup,
+                     "bytes_reduction": r.runs["geometric"].bytes_dense / max(1, r.runs["geometric"].bytes_read)}
+                    for r in results],
+        "ttft_fresh_s": ttft["fresh"], "ttft_cached_s": ttft["cached"],
+        "peak_rss_bytes": b.peak_rss_bytes(),
+    }
+    session.close()
+    if upkeep:
+        report["centroid_upkeep"] = b.centroid_upkeep_share(model, small.text, threads)
+    print(f"model {report['model']}, {report['threads']} threads, route {report['route']}")
+    print("| context | KV bytes | full tok/s | geometric tok/s | speedup | KV bytes read, reduction |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in report["lengths"]:
+        print(f"| {r['n_tokens']:,} | {human_bytes(r['kv_bytes'])} | {r['full_tps']:.2f} | {r['geometric_tps']:.2f} "
+              f"| {r['speedup']:.2f}x | {r['bytes_reduction']:.1f}x |")
+    print(f"time to first token (4k document): fresh {report['ttft_fresh_s']:.1f} s, cached {report['ttft_cached_s']:.2f} s "
+          f"({report['ttft_fresh_s'] / report['ttft_cached_s']:.0f}x)")
+    print(f"peak RSS: {human_bytes(report['peak_rss_bytes'])}")
+    if upkeep:
+        u = report["centroid_upkeep"]
+        print(f"centroid upkeep: prefill {u['with_s']:.1f} s with vs {u['without_s']:.1f} s without = {u['share']:.1%} of prefill")
+    if out:
+        out.write_text(json.dumps(report, indent=2))
+
+
 def version_callback(value: bool) -> None:
     if value:
         print(f"kvlocal {__version__}")

@@ -285,6 +285,10 @@ class Session:
         tokens = [int(t) for t in self.llm.input_ids[start:end]]
         return self.llm.detokenize(tokens, special=True).decode("utf-8", errors="replace")
 
+    def kv_bytes(self) -> int:
+        """Bytes of KV state the current sequence holds (what a saved state stores)."""
+        return int(llama_cpp().llama_state_seq_get_size(self.ctx, 0))
+
     @property
     def n_layer(self) -> int:
         return int(self.model.info.n_layer or 0)

@@ -354,6 +354,9 @@ class KvlocalApp(App[None]):
 
     def ask(self, question: str) -> bool:
         """Start answering `question` with the current route; False (with a notice) when not possible."""
+        question = question.strip()
+        if not question:
+            return False
         if self.busy:
             self.notify("Busy; esc cancels the current work.", severity="warning")
             return False
@@ -427,8 +430,10 @@ class KvlocalApp(App[None]):
         entry.reads = reads
         entry.summary = summary
         parts = [route_label(entry.route), f"{summary.n_answer_tokens} tok", f"{summary.decode_rate:,.1f} tok/s"]
-        if summary.bytes_dense:
-            parts.append(f"{summary.reduction:.1f}× fewer KV bytes")
+        if entry.route.mode == "full":
+            parts.append("dense KV read")
+        elif summary.bytes_dense:
+            parts.append(f"{summary.reduction:.1f}× less KV read")
         if message.cancelled:
             parts.append("stopped")
         if summary.fallback:
@@ -584,7 +589,7 @@ class KvlocalApp(App[None]):
     # -- misc ---------------------------------------------------------------------------------------
 
     def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
+        if not isinstance(self.screen, (HelpScreen, LoadScreen)):
             self.push_screen(HelpScreen())
 
     def action_cancel(self) -> None:

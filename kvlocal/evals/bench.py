@@ -1,0 +1,117 @@
+"""`kvlocal bench`: speed and memory of routed vs dense decoding, measured in one run.
+
+Everything is a ratio between measurements taken back to back in this process on the same
+prefilled state, so a noisy, shared machine still gives comparable figures.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvlocal.evals.tasks import build_case
+from kvlocal.routing import RouteConfig
+from kvlocal.session import ANSWER_RESERVE, AnswerPiece, Session
+
+CENTROID_ENV = "LLAMA_KV_CENTROID_BLOCK"
+
+
+@dataclass
+class DecodeRun:
+    mode: str
+    tokens: int
+    seconds: float
+    bytes_read: int
+    bytes_dense: int
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class LengthResult:
+    length: int
+    n_tokens: int
+    kv_bytes: int
+    runs: dict[str, DecodeRun] = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        full, geo = self.runs.get("full"), self.runs.get("geometric")
+        return geo.rate / full.rate if full and geo and full.rate else 0.0
+
+
+def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, repeats: int) -> DecodeRun:
+    """Tokens per second of the answer steps (question steps excluded), best of `repeats`."""
+    best = None
+    for _ in range(repeats):
+        summary = session.answer(question, route=route, max_tokens=n_tokens)
+        run = DecodeRun(route.mode, summary.n_answer_tokens, summary.decode_seconds,
+                        summary.bytes_read, summary.bytes_dense)
+        if best is None or run.rate > best.rate:
+            best = run
+    return best
+
+
+def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n_tokens: int = 48,
+                  repeats: int = 2, log: Callable[[str], None] = print) -> list[LengthResult]:
+    count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
+    results = []
+    for length in lengths:
+        case = build_case("passkey", length - ANSWER_RESERVE - 256, [0.25], seed=0, count_tokens=count)
+        loaded = session.load_document(case.text, label=f"bench {length}")
+        log(f"bench {length}: {loaded.n_tokens:,} tokens ({'cache hit' if loaded.cache_hit else 'prefilled'})")
+        question = "Write a detailed summary of the document, section by section."
+        res = LengthResult(length, loaded.n_tokens, session.kv_bytes())
+        for mode in ("full", "geometric"):
+            r = route if mode == "geometric" else RouteConfig(mode="full")
+            res.runs[mode] = _decode(session, question, r, n_tokens, repeats)
+            log(f"  {mode:<9} {res.runs[mode].rate:6.2f} tok/s over {res.runs[mode].tokens} tokens")
+        results.append(res)
+    return results
+
+
+def time_to_first_token(session: Session, text: str, route: RouteConfig, question: str) -> dict[str, float]:
+    """Seconds from asking to the first answer token: a fresh document (prefill) vs its saved state."""
+    out = {}
+    for label, use_cache in (("fresh", False), ("cached", True)):
+        if use_cache:
+            session.load_document(text, label="bench ttft")  # make sure the state is saved
+            session.llm = None  # a new context, as a new process would have
+        start = time.perf_counter()
+        session.load_document(text, label="bench ttft", use_cache=use_cache)
+        for event in session.ask(question, route=route, max_tokens=1):
+            if isinstance(event, AnswerPiece):
+                break
+        out[label] = time.perf_counter() - start
+    return out
+
+
+def centroid_upkeep_share(model: str | None, text: str, threads: int | None, repeats: int = 2) -> dict[str, float]:
+    """Prefill time with the region centroids kept up to date vs without them (same text, fresh contexts)."""
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    old = os.environ.get(CENTROID_ENV)
+    try:
+        for _ in range(repeats):
+            for label, value in (("without", "0"), ("with", old or "16")):
+                os.environ[CENTROID_ENV] = value
+                session = Session(model, threads=threads)
+                start = time.perf_counter()
+                session.load_document(text, label="bench upkeep", use_cache=False)
+                times[label].append(time.perf_counter() - start)
+                session.close()
+    finally:
+        if old is None:
+            os.environ.pop(CENTROID_ENV, None)
+        else:
+            os.environ[CENTROID_ENV] = old
+    with_, without = min(times["with"]), min(times["without"])
+    return {"with_s": with_, "without_s": without, "share": (with_ - without) / with_}
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,188 @@
+"""Summaries of evaluation rows: markdown tables, a JSON summary, the budget sweep, PNG plots."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+MODES_ORDER = ("full", "geometric", "window", "random")
+
+
+def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[tuple(r[k] for k in keys)].append(r)
+    return groups
+
+
+def main_budget(rows: list[dict]) -> int | None:
+    """The top-k the controls ran at (the grid's main budget)."""
+    ks = {r["top_k"] for r in rows if r["mode"] in ("window", "random")}
+    return min(ks) if ks else None
+
+
+def summarize(rows: list[dict], window: int | None = None) -> dict:
+    """Accuracy, reads and speed per (length, task, mode) at the main budget, plus the sweep."""
+    k0 = main_budget(rows)
+    main = [r for r in rows if r["mode"] == "full" or r["top_k"] == k0 or k0 is None]
+    cells = []
+    for (length, task, mode), group in sorted(_group(main, "length", "task", "mode").items(),
+                                              key=lambda kv: (kv[0][0], kv[0][1], _mode_rank(kv[0][2]))):
+        far = [r for r in group if _outside_window(r, window)]
+        cells.append({
+            "length": length, "task": task, "mode": mode, "top_k": None if mode == "full" else k0,
+            "n": len(group),
+            "accuracy": mean(r["score"] for r in group),
+            "accuracy_outside_window": mean(r["score"] for r in far) if far else None,
+            "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in group if r["bytes_read"]),
+            "meta_share": mean(r["bytes_meta"] / r["bytes_read"] for r in group if r["bytes_read"]),
+            "decode_tps": mean(r["decode_tps"] for r in group),
+            "prefill_tps": _first([r["prefill_tps"] for r in group]),
+        })
+    return {"main_top_k": k0, "cells": cells, "sweep": sweep(rows)}
+
+
+def sweep(rows: list[dict]) -> list[dict]:
+    """Per length and task: accuracy and reduction of geometric at each budget, and the smallest
+    budget whose accuracy matches full."""
+    out = []
+    for (length, task), group in sorted(_group(rows, "length", "task").items()):
+        dense = [r["score"] for r in group if r["mode"] == "full"]
+        if not dense:
+            continue
+        full_acc = mean(dense)
+        points = []
+        for (k,), g in sorted(_group([r for r in group if r["mode"] == "geometric"], "top_k").items()):
+            points.append({"top_k": k, "accuracy": mean(r["score"] for r in g),
+                           "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in g)})
+        matching = [p for p in points if p["accuracy"] >= full_acc - 1e-9]
+        best = min(matching, key=lambda p: p["top_k"]) if matching else None
+        out.append({"length": length, "task": task, "full_accuracy": full_acc, "points": points,
+                    "smallest_matching_top_k": best["top_k"] if best else None,
+                    "reduction_at_match": best["reduction"] if best else None})
+    return out
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"Routing budget: top-{summary['main_top_k']} regions (controls at the same budget)", "",
+             "| length | task | mode | n | accuracy | acc. outside window | KV bytes reduction | centroid share "
+             "| decode tok/s |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for c in summary["cells"]:
+        far = "–" if c["accuracy_outside_window"] is None else f"{c['accuracy_outside_window']:.0%}"
+        lines.append(
+            f"| {c['length']:,} | {c['task']} | {c['mode']} | {c['n']} | {c['accuracy']:.0%} | {far} "
+            f"| {c['reduction']:.1f}x | {c['meta_share']:.0%} | {c['decode_tps']:.1f} |"
+        )
+    if any(s["points"] for s in summary["sweep"]):
+        lines += ["", "Budget sweep (geometric):", "",
+                  "| length | task | full acc. | budgets (top-k: acc., reduction) | smallest matching | reduction |",
+                  "|---:|---|---:|---|---:|---:|"]
+        for s in summary["sweep"]:
+            pts = ", ".join(f"{p['top_k']}: {p['accuracy']:.0%} x{p['reduction']:.1f}" for p in s["points"])
+            k = "–" if s["smallest_matching_top_k"] is None else s["smallest_matching_top_k"]
+            red = "–" if s["reduction_at_match"] is None else f"{s['reduction_at_match']:.1f}x"
+            lines.append(f"| {s['length']:,} | {s['task']} | {s['full_accuracy']:.0%} | {pts} | {k} | {red} |")
+    return "\n".join(lines)
+
+
+def write_json(summary: dict, path: Path) -> None:
+    path.write_text(json.dumps(summary, indent=2))
+
+
+def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
+    """Accuracy heatmaps (depth x length) per mode, and accuracy vs reduction over the sweep."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install 'kvlocal[plots]'") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    k0 = summary["main_top_k"]
+    for task in sorted({r["task"] for r in rows if r["depth"] >= 0}):
+        task_rows = [r for r in rows if r["task"] == task and (r["mode"] == "full" or r["top_k"] == k0)]
+        lengths = sorted({r["length"] for r in task_rows})
+        depths = sorted({r["depth"] for r in task_rows})
+        modes = [m for m in MODES_ORDER if any(r["mode"] == m for r in task_rows)]
+        fig, axes = plt.subplots(1, len(modes), figsize=(3.2 * len(modes), 3.4), squeeze=False)
+        for ax, mode in zip(axes[0], modes):
+            grid = [[_cell(task_rows, mode, length, d) for length in lengths] for d in depths]
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+            ax.set_title(mode)
+            ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" for n in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+            ax.set_xlabel("context length")
+        axes[0][0].set_ylabel("needle depth")
+        fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+        fig.suptitle(f"{task}: accuracy by depth and length (top-{k0})")
+        path = folder / f"heatmap_{task}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    if any(s["points"] for s in summary["sweep"]):
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for s in summary["sweep"]:
+            pts = s["points"]
+            ax.plot([p["reduction"] for p in pts], [p["accuracy"] for p in pts], marker="o",
+                    label=f"{s['task']} {s['length'] // 1024}k (full {s['full_accuracy']:.0%})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV bytes read: reduction vs dense (centroids included)")
+        ax.set_ylabel("accuracy (geometric)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        path = folder / "sweep.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _cell(rows, mode, length, depth) -> float:
+    scores = [r["score"] for r in rows if r["mode"] == mode and r["length"] == length and r["depth"] == depth]
+    return mean(scores) if scores else float("nan")
+
+
+def _outside_window(row: dict, window: int | None) -> bool:
+    """The needle lies before the always-read window (and the sinks), so only routing can find it."""
+    if row["depth"] < 0:
+        return False
+    win = window if window is not None else row["window"]
+    pos = row["depth"] * row["n_tokens"]
+    return row["sinks"] < pos < row["n_tokens"] - win - 256
+
+
+def _mode_rank(mode: str) -> int:
+    return MODES_ORDER.index(mode) if mode in MODES_ORDER else len(MODES_ORDER)
+
+
+def _first(values):
+    return next((v for v in values if v is not None), None)
+
+
+def check_ordering(summary: dict, tolerance: float = 0.0) -> list[str]:
+    """What `kvlocal eval --quick` asserts: geometric matches full; the controls fall below it
+    on needles outside the window."""
+    problems = []
+    by = {(c["length"], c["task"], c["mode"]): c for c in summary["cells"]}
+    for (length, task, mode), cell in by.items():
+        if mode != "geometric":
+            continue
+        full = by.get((length, task, "full"))
+        if full and cell["accuracy"] < full["accuracy"] - tolerance:
+            problems.append(f"{length} {task}: geometric {cell['accuracy']:.0%} < full {full['accuracy']:.0%}")
+        for control in ("window", "random"):
+            c = by.get((length, task, control))
+            if not c or c["accuracy_outside_window"] is None or cell["accuracy_outside_window"] is None:
+                continue
+            if c["accuracy_outside_window"] >= cell["accuracy_outside_window"]:
+                problems.append(
+                    f"{length} {task}: {control} {c['accuracy_outside_window']:.0%} is not below geometric "
+                    f"{cell['accuracy_outside_window']:.0%} outside the window"
+                )
+    return problems

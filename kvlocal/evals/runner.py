@@ -1,0 +1,157 @@
+"""The evaluation grid: lengths x tasks x depths x routing modes, on real prefilled haystacks.
+
+Each haystack is prefilled once (its KV state is saved, so a rerun loads it) and every probe
+and mode is asked of the same state. Results are appended to a JSONL file as they come, so an
+interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvlocal.evals.tasks import Case, build_case, score
+from kvlocal.routing import RouteConfig
+from kvlocal.session import ANSWER_RESERVE, Session
+
+MODES = ("full", "geometric", "window", "random")
+
+# answer room per task: Qwen writes numbers digit by digit, and some tasks ask for several
+ANSWER_TOKENS = {"passkey": 24, "multikey": 24, "multiquery": 40, "vartrack": 48, "multivalue": 64, "cwe": 80}
+DEFAULT_DEPTHS = tuple(round(i / 10, 1) for i in range(11))
+
+
+@dataclass
+class GridConfig:
+    lengths: list[int] = field(default_factory=lambda: [4096, 8192, 16384, 32768])
+    depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    tasks: list[str] = field(default_factory=lambda: ["passkey"])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    seeds: list[int] = field(default_factory=lambda: [0])
+    top_k: int = 8
+    region: int = 64
+    window: int = 128
+    sinks: int = 64
+    sweep: list[int] = field(default_factory=list)  # extra geometric budgets (top-k values)
+    max_tokens: int | None = None  # None: ANSWER_TOKENS[task]
+
+    def routes(self) -> Iterator[RouteConfig]:
+        for mode in self.modes:
+            yield self.route(mode, self.top_k)
+        if "geometric" in self.modes:
+            for k in self.sweep:
+                if k != self.top_k:
+                    yield self.route("geometric", k)
+
+    def route(self, mode: str, top_k: int) -> RouteConfig:
+        return RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks)
+
+
+def row_key(row: dict) -> tuple:
+    return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
+            row["window"], row["sinks"], row.get("haystack", ""))
+
+
+def load_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by an interrupt
+    return rows
+
+
+def append_row(path: Path, row: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+        fh.flush()
+
+
+def run_grid(
+    session: Session,
+    config: GridConfig,
+    out: Path,
+    *,
+    filler: str | None = None,
+    haystack_name: str = "",
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Run every cell not yet in `out`; returns all rows (old and new)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = load_rows(out)
+    done = {row_key(r) for r in rows}
+    count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
+    for length in config.lengths:
+        budget = length - ANSWER_RESERVE - 256  # the chat template and the question take the rest
+        for task in config.tasks:
+            for seed in config.seeds:
+                case = build_case(task, budget, config.depths, seed=seed, count_tokens=count, filler=filler)
+                todo = [
+                    (i, probe, route)
+                    for i, probe in enumerate(case.probes)
+                    for route in config.routes()
+                    if _key(length, task, seed, i, route, haystack_name) not in done
+                ]
+                if not todo:
+                    continue
+                loaded = _load(session, case, length, seed, log)
+                for i, probe, route in todo:
+                    row = _ask(session, case, i, probe, route, config, length, seed, haystack_name, loaded)
+                    append_row(out, row)
+                    rows.append(row)
+                    done.add(row_key(row))
+                    log(
+                        f"{length:>6} {task:<10} d={probe.depth:4.2f} {route.mode:<9} k={route.top_k:<3} "
+                        f"score={row['score']:.2f} x{row['reduction']:.1f} {row['decode_tps']:.1f} tok/s "
+                        f"| {row['answer'][:40]!r}"
+                    )
+    return rows
+
+
+def _key(length, task, seed, probe_index, route, haystack_name) -> tuple:
+    return (length, task, seed, probe_index, route.mode, route.top_k, route.region, route.window, route.sinks,
+            haystack_name)
+
+
+def _load(session: Session, case: Case, length: int, seed: int, log) -> dict:
+    start = time.perf_counter()
+    result = session.load_document(case.text, label=f"eval {case.task} {length} seed {seed}")
+    how = "cache hit" if result.cache_hit else f"prefill {result.rate:,.0f} tok/s"
+    log(f"haystack {case.task} {length} seed {seed}: {result.n_tokens:,} tokens, {how} ({time.perf_counter() - start:.1f} s)")
+    return {"n_tokens": result.n_tokens, "cache_hit": result.cache_hit,
+            "prefill_tps": None if result.cache_hit else result.rate}
+
+
+def _ask(session, case, index, probe, route, config, length, seed, haystack_name, loaded) -> dict:
+    max_tokens = config.max_tokens or ANSWER_TOKENS.get(case.task, 48)
+    summary = session.answer(probe.question, route=route, max_tokens=max_tokens)
+    return {
+        "length": length,
+        "task": case.task,
+        "seed": seed,
+        "probe": index,
+        "depth": probe.depth,
+        "haystack": haystack_name,
+        **{k: v for k, v in asdict(route).items() if k != "seed"},
+        "score": score(probe, summary.text),
+        "answer": summary.text.strip(),
+        "expected": list(probe.answers),
+        "n_tokens": loaded["n_tokens"],
+        "prefill_tps": loaded["prefill_tps"],
+        "decode_tps": summary.decode_rate,
+        "steps": summary.steps,
+        "rows_read": summary.rows_read,
+        "rows_dense": summary.rows_dense,
+        "bytes_read": summary.bytes_read,
+        "bytes_meta": summary.bytes_meta,
+        "bytes_dense": summary.bytes_dense,
+        "reduction": summary.reduction,
+        "fallback": summary.fallback,
+        "model": session.model.alias or session.model.path.name,
+    }

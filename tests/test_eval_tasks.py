@@ -1,0 +1,204 @@
+"""Eval case generation (kvlocal.evals.tasks / haystack): sizing, planting, determinism, scoring.
+
+A cheap fake tokenizer stands in for the model's; no model is loaded."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from kvlocal.evals import TASKS, Probe, build_case, score
+from kvlocal.evals.haystack import build_haystack
+
+DEPTHS = [round(i / 10, 1) for i in range(11)]
+NEEDLE_TASKS = [t for t in TASKS if t != "cwe"]
+MAGIC = re.compile(r"(?:The|One of the) special magic numbers? for (.+?) is (\d+)\.")
+VAR = re.compile(r"VAR ([A-Z]{5}) = (?:VAR ([A-Z]{5})|(\d+))\.")
+
+
+def words(text: str) -> int:
+    return len(re.findall(r"\w+|[^\w\s]", text))
+
+
+def quarter(text: str) -> int:
+    return len(text) // 4
+
+
+def whole(value: str, text: str) -> int:
+    return len(re.findall(rf"(?<![0-9A-Za-z]){re.escape(value)}(?![0-9A-Za-z])", text))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_deterministic_in_seed(task: str) -> None:
+    a = build_case(task, 2048, DEPTHS, seed=7, count_tokens=words)
+    assert a == build_case(task, 2048, DEPTHS, seed=7, count_tokens=words)
+    b = build_case(task, 2048, DEPTHS, seed=8, count_tokens=words)
+    assert a.text != b.text and a.probes != b.probes
+    assert a.seed == 7 and a.task == task and all(p.task == task for p in a.probes)
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("n", [2048, 8192])
+@pytest.mark.parametrize("tokenizer", [words, quarter])
+def test_size_within_bounds_with_few_tokenizer_calls(task: str, n: int, tokenizer) -> None:
+    calls = []
+    count = lambda s: calls.append(len(s)) or tokenizer(s)  # noqa: E731
+    case = build_case(task, n, DEPTHS, seed=1, count_tokens=count)
+    assert 0.95 * n <= tokenizer(case.text) <= 1.03 * n
+    assert case.n_tokens == tokenizer(case.text)
+    assert len(calls) <= 5
+
+
+@pytest.mark.parametrize("task", NEEDLE_TASKS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_answers_planted_at_their_depth(task: str, seed: int) -> None:
+    case = build_case(task, 2048, DEPTHS, seed=seed, count_tokens=words)
+    for probe in case.probes:
+        assert probe.question.endswith(".") and "Answer with" in probe.question
+        for answer in probe.answers:
+            assert whole(answer, case.text) >= 1
+            if task != "vartrack":  # numbers: planted once, never in the filler
+                assert whole(answer, case.text) == 1
+        first = re.search(rf"(?<![0-9A-Z]){re.escape(probe.answers[0])}(?![0-9A-Z])", case.text).start()
+        assert abs(first / len(case.text) - probe.depth) <= 0.05, (probe, first / len(case.text))
+
+
+def test_probe_counts_and_groups() -> None:
+    count = {t: len(build_case(t, 2048, DEPTHS, seed=0, count_tokens=words).probes) for t in TASKS}
+    assert count == {"passkey": 11, "multikey": 11, "multivalue": 3, "multiquery": 11, "vartrack": 3, "cwe": 1}
+    mv = build_case("multivalue", 2048, DEPTHS, seed=0, count_tokens=words)
+    assert sorted(len(p.answers) for p in mv.probes) == [3, 4, 4]
+    assert [p.depth for p in mv.probes] == [0.0, 0.1, 0.2]  # groups interleave, so each spans the text
+    one = build_case("multivalue", 2048, [0.2, 0.4, 0.6, 0.8], seed=0, count_tokens=words)
+    assert len(one.probes) == 1 and len(one.probes[0].answers) == 4
+    mq = build_case("multiquery", 2048, [0.5], seed=0, count_tokens=words)  # a lone depth gets a partner
+    assert len(mq.probes) == 1 and len(set(mq.probes[0].answers)) == 2
+
+
+def test_passkey_keys_distinct() -> None:
+    case = build_case("passkey", 2048, DEPTHS, seed=3, count_tokens=words)
+    planted = MAGIC.findall(case.text)
+    keys = [k for k, _ in planted]
+    assert len(planted) == 11 and len(set(keys)) == 11
+    assert not any(a in b for a in keys for b in keys if a != b)  # no key inside another
+    for probe, (key, value) in zip(case.probes, sorted(planted, key=lambda kv: case.text.index(kv[1]))):
+        assert key in probe.question and probe.answers == (value,)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_multikey_distractors_look_alike_but_differ(seed: int) -> None:
+    case = build_case("multikey", 4096, DEPTHS, seed=seed, count_tokens=words)
+    planted = dict(MAGIC.findall(case.text))
+    assert len(planted) == len(MAGIC.findall(case.text))  # every key once
+    asked = {re.search(r"for (.+?) mentioned", p.question).group(1): p.answers[0] for p in case.probes}
+    assert all(planted[k] == v for k, v in asked.items())
+    distractors = {k: v for k, v in planted.items() if k not in asked}
+    assert 2 * len(asked) - 2 <= len(distractors) <= 3 * len(asked)
+    answers = set(asked.values())
+    assert not answers & set(distractors.values())
+    for key in distractors:  # differs from some asked key in one part only (colour, box or digit order)
+        parts = key.split()
+        assert any(sum(a != b for a, b in zip(parts, k.split())) == 1 for k in asked), key
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_vartrack_chain_resolves_to_value(seed: int) -> None:
+    case = build_case("vartrack", 4096, DEPTHS, seed=seed, count_tokens=words)
+    assign = {}
+    for name, ref, value in VAR.findall(case.text):
+        assert name not in assign
+        assign[name] = ref or value
+
+    def resolve(name: str) -> str:
+        while name in assign:
+            name = assign[name]
+        return name
+
+    for probe in case.probes:
+        value = re.search(r"the value (\d+)", probe.question).group(1)
+        names = {n for n in assign if resolve(n) == value}
+        assert names == set(probe.answers) and 4 <= len(names) <= 5
+        order = [case.text.index(f"VAR {n} =") for n in probe.answers]
+        assert order == sorted(order)  # the chain reads in document order
+    assert len({resolve(n) for n in assign}) == len(case.probes) + 1  # plus one decoy chain
+
+
+@pytest.mark.parametrize("n", [2048, 8192])
+def test_cwe_top_ten_are_most_frequent(n: int) -> None:
+    case = build_case("cwe", n, DEPTHS, seed=5, count_tokens=words, filler="ignored. text.")
+    lines = case.text.splitlines()
+    assert all(re.fullmatch(rf"{i}\. [a-z]+", line) for i, line in enumerate(lines, 1))
+    counts = Counter(line.split()[1] for line in lines).most_common()
+    (probe,) = case.probes
+    assert probe.depth == -1 and len(probe.answers) == 10
+    assert {w for w, _ in counts[:10]} == set(probe.answers)
+    assert counts[9][1] >= 2 * counts[10][1]
+
+
+def test_score() -> None:
+    one = Probe("passkey", "q", ("1234567",), 0.5)
+    assert score(one, "1234567") == 1.0
+    assert score(one, "The special magic number is 1234567.") == 1.0
+    assert score(one, "91234567") == 0.0 and score(one, "12345678") == 0.0
+    assert score(one, "123 4567") == 0.0
+    assert score(one, "") == 0.0
+    multi = Probe("multivalue", "q", ("1111111", "2222222", "3333333", "4444444"), 0.1)
+    assert score(multi, "1111111, 3333333") == 0.5
+    assert score(multi, "4444444\n3333333\n2222222\n1111111") == 1.0
+    names = Probe("vartrack", "q", ("QPEXK", "ABCDE"), 0.2)
+    assert score(names, "qpexk and AbCdE") == 1.0
+    assert score(names, "QPEXKZ, ABCDE") == 0.5
+    phrase = Probe("cwe", "q", ("blue  locker",), -1)
+    assert score(phrase, "The Blue\nLocker!") == 1.0
+
+
+FILLER = "\n\n".join(
+    f"Paragraph {p} of the report, sentence one says zebra{p}. It continues with detail number {p}a here. "
+    f"Finally it closes paragraph {p} with care."
+    for p in range(40)
+)
+
+
+@pytest.mark.parametrize("task", NEEDLE_TASKS)
+def test_filler_mode_uses_given_text(task: str) -> None:
+    case = build_case(task, 2048, DEPTHS, seed=0, count_tokens=words, filler=FILLER)  # filler ~1000 tokens
+    assert 0.95 * 2048 <= words(case.text) <= 1.03 * 2048
+    stripped = VAR.sub("", MAGIC.sub("", case.text))
+    sentences = set(re.split(r"(?<=[.!?])\s+", " ".join(FILLER.split())))
+    for s in re.split(r"(?<=[.!?])\s+", " ".join(stripped.split())):
+        assert s in sentences, s
+    assert stripped.lstrip().startswith("Paragraph 0 of the report")
+    assert case.text.count("zebra3.") >= 2  # repeated from the start when too short
+    for probe in case.probes:
+        first = case.text.index(probe.answers[0])
+        assert abs(first / len(case.text) - probe.depth) <= 0.05
+
+
+def test_filler_cut_when_long_and_forbidden_values_skipped() -> None:
+    text, starts, n = build_haystack(300, [(0.5, "NEEDLE 4242.")], seed=0, count_tokens=words, filler=FILLER,
+                                     forbid=["zebra1"])
+    assert 0.95 * 300 <= n <= 1.03 * 300 and "Paragraph 39" not in text
+    assert "zebra1." not in text and "zebra2." in text
+    assert text[starts[0]:].startswith("NEEDLE 4242.") and abs(starts[0] / len(text) - 0.5) < 0.05
+
+
+def test_generated_prose_is_varied() -> None:
+    case = build_case("passkey", 4096, [0.5], seed=0, count_tokens=words)
+    paragraphs = case.text.split("\n\n")
+    sentences = re.split(r"(?<=[.!?])\s+", " ".join(case.text.split()))
+    assert len(set(sentences)) >= 0.9 * len(sentences)
+    assert all(3 <= len(re.split(r"(?<=[.!?])\s+", p)) <= 8 for p in paragraphs[:-1])
+    assert not re.search(r"\d{5}", case.text.replace(case.probes[0].answers[0], ""))
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError):
+        build_case("nope", 2048, DEPTHS, seed=0, count_tokens=words)
+    with pytest.raises(ValueError):
+        build_case("passkey", 2048, [1.5], seed=0, count_tokens=words)
+    with pytest.raises(ValueError):
+        build_case("passkey", 2048, [], seed=0, count_tokens=words)
+    with pytest.raises(ValueError):
+        build_case("passkey", 2048, [0.5], seed=0, count_tokens=words, filler="  \n ")
