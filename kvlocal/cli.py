@@ -333,15 +333,14 @@ def bench(
     import json
 
     from kvlocal.evals import bench as b
-    from kvlocal.evals.tasks import build_case
+    from kvlocal.evals.runner import make_case
     from kvlocal.progress import human_bytes
 
     route = _route("geometric", top_k, region, window, sinks, 0)
     session = _open_session(model, None, threads, "f16")
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, _ints(lengths), route, n_tokens=tokens, log=log)
-    count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
-    small = build_case("passkey", 4096 - 1024, [0.5], seed=1, count_tokens=count)
+    small = make_case(session, "passkey", 4096, [0.5], 1)
     ttft = b.time_to_first_token(session, small.text, route, small.probes[0].question)
     report = {
         "model": session.model.alias or str(session.model.path), "threads": session.threads, "route": route.describe(),

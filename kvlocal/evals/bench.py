@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvlocal.evals.tasks import build_case
+from kvlocal.evals.runner import DEFAULT_DEPTHS, make_case
 from kvlocal.routing import RouteConfig
-from kvlocal.session import ANSWER_RESERVE, AnswerPiece, Session
+from kvlocal.session import AnswerPiece, Session
 
 CENTROID_ENV = "LLAMA_KV_CENTROID_BLOCK"
 
@@ -59,10 +59,10 @@ def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, 
 
 def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n_tokens: int = 48,
                   repeats: int = 2, log: Callable[[str], None] = print) -> list[LengthResult]:
-    count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
     results = []
     for length in lengths:
-        case = build_case("passkey", length - ANSWER_RESERVE - 256, [0.25], seed=0, count_tokens=count)
+        # the eval grid's passkey haystack, so a state saved by `kvlocal eval` is reused
+        case = make_case(session, "passkey", length, list(DEFAULT_DEPTHS), 0)
         loaded = session.load_document(case.text, label=f"bench {length}")
         log(f"bench {length}: {loaded.n_tokens:,} tokens ({'cache hit' if loaded.cache_hit else 'prefilled'})")
         question = "Write a detailed summary of the document, section by section."

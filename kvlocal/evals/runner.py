@@ -50,6 +50,12 @@ class GridConfig:
         return RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks)
 
 
+def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
+    """The haystack for a context of `length` tokens (room left for the template, question and answer)."""
+    count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
+    return build_case(task, length - ANSWER_RESERVE - 256, depths, seed=seed, count_tokens=count, filler=filler)
+
+
 def row_key(row: dict) -> tuple:
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
             row["window"], row["sinks"], row.get("haystack", ""))
@@ -86,12 +92,10 @@ def run_grid(
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = load_rows(out)
     done = {row_key(r) for r in rows}
-    count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
     for length in config.lengths:
-        budget = length - ANSWER_RESERVE - 256  # the chat template and the question take the rest
         for task in config.tasks:
             for seed in config.seeds:
-                case = build_case(task, budget, config.depths, seed=seed, count_tokens=count, filler=filler)
+                case = make_case(session, task, length, config.depths, seed, filler)
                 todo = [
                     (i, probe, route)
                     for i, probe in enumerate(case.probes)

@@ -102,10 +102,34 @@ def _plain(rng, depths):
     return needles, keys, values
 
 
+# passkey needles: one fact per depth, each in its own words, so that several needles can share a
+# haystack without looking alike (multikey is the look-alike task)
+_FACTS = (
+    ("The combination of the harbour master's safe is {v}.", "What is the combination of the harbour master's safe?"),
+    ("Professor Aldana's library card number is {v}.", "What is Professor Aldana's library card number?"),
+    ("The night ferry to Moor Island is registered as vessel {v}.", "Under which vessel number is the night ferry to Moor Island registered?"),
+    ("Grandmother Ines kept her savings in co-operative bank account {v}.", "Which co-operative bank account did Grandmother Ines keep her savings in?"),
+    ("The lighthouse on Gull Point was rebuilt under building permit {v}.", "Under which building permit was the lighthouse on Gull Point rebuilt?"),
+    ("The winning raffle ticket at the spring fair was number {v}.", "What number was the winning raffle ticket at the spring fair?"),
+    ("The telescope in the old observatory carries serial number {v}.", "What serial number does the telescope in the old observatory carry?"),
+    ("The password of the town archive's computer is {v}.", "What is the password of the town archive's computer?"),
+    ("Captain Oduya reported cargo crate {v} missing from the manifest.", "Which cargo crate did Captain Oduya report missing?"),
+    ("The bakery's secret rye recipe is locked in strongbox {v}.", "In which strongbox is the bakery's secret rye recipe locked?"),
+    ("The stolen tapestry was catalogued as museum item {v}.", "As which museum item was the stolen tapestry catalogued?"),
+    ("The mayor's emergency telephone extension is {v}.", "What is the mayor's emergency telephone extension?"),
+    ("The seed vault at the botanical garden opens with access code {v}.", "Which access code opens the seed vault at the botanical garden?"),
+)
+
+
 def _passkey(rng, depths):
-    needles, keys, values = _plain(rng, depths)
-    probes = [Probe("passkey", f"What is the special magic number for {k} mentioned in the document? "
-                               "Answer with the number only.", (v,), d) for d, k, v in zip(depths, keys, values)]
+    if len(depths) > len(_FACTS):
+        raise ValueError(f"at most {len(_FACTS)} depths per case for this task (got {len(depths)})")
+    used: set = set()
+    facts = rng.sample(_FACTS, len(depths))
+    values = [_magic(rng, used) for _ in depths]
+    needles = [(d, fact.format(v=v)) for d, (fact, _), v in zip(depths, facts, values)]
+    probes = [Probe("passkey", f"{question} Answer with the number only.", (v,), d)
+              for d, (_, question), v in zip(depths, facts, values)]
     return needles, probes, values
 
 
