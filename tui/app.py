@@ -470,15 +470,7 @@ class KvlocalApp(App[None]):
             self.heatmap.set_reads(reads)
         totals = entry.totals or StepCounters()
         if summary is not None:
-            totals = StepCounters(
-                rows_read=summary.rows_read,
-                rows_dense=summary.rows_dense,
-                bytes_read=summary.bytes_read,
-                bytes_meta=summary.bytes_meta,
-                bytes_dense=summary.bytes_dense,
-                reduction=summary.reduction,
-                fallback=summary.fallback,
-            )
+            totals = StepCounters.of(summary, fallback=summary.fallback)
             self.counters.show_live(
                 None,
                 totals,

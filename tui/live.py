@@ -74,6 +74,19 @@ class StepCounters:
     n_kv: int = 0
     fallback: str = ""
 
+    @classmethod
+    def of(cls, reads, **extra) -> "StepCounters":
+        """The counters of a ReadStats (one step) or an AnswerSummary (a whole answer)."""
+        return cls(
+            rows_read=reads.rows_read,
+            rows_dense=reads.rows_dense,
+            bytes_read=reads.bytes_read,
+            bytes_meta=reads.bytes_meta,
+            bytes_dense=reads.bytes_dense,
+            reduction=reads.reduction,
+            **extra,
+        )
+
 
 @dataclass
 class LiveUpdate:
@@ -141,15 +154,8 @@ class LiveAnswer:
         touched = np.flatnonzero(now.any(axis=0))
         if touched.size:
             reads.extent = max(reads.extent, int(touched[-1]) + 1)
-        step = StepCounters(
-            rows_read=stats.rows_read,
-            rows_dense=stats.rows_dense,
-            bytes_read=stats.bytes_read,
-            bytes_meta=stats.bytes_meta,
-            bytes_dense=stats.bytes_dense,
-            reduction=stats.reduction,
-            n_kv=stats.n_kv,
-            fallback=stats.fallback_reason if stats.fallback not in (0, 1) else "",
+        step = StepCounters.of(
+            stats, n_kv=stats.n_kv, fallback=stats.fallback_reason if stats.fallback not in (0, 1) else ""
         )
         self._step = step
         t = self._totals
