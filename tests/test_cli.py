@@ -23,12 +23,6 @@ DOC = "\n".join(f"Line {i}: the gauge at post {i} read {i * 13 % 97} units." for
 
 
 @pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture
 def doc(tmp_path) -> Path:
     path = tmp_path / "report.txt"
     path.write_text(DOC)

@@ -113,12 +113,6 @@ class FakeSession:
 
 
 @pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture
 def doc(tmp_path) -> Path:
     path = tmp_path / "report.txt"
     path.write_text(DOC)
