@@ -23,14 +23,14 @@ def main_budget(rows: list[dict]) -> int | None:
     return min(ks) if ks else None
 
 
-def summarize(rows: list[dict], window: int | None = None) -> dict:
+def summarize(rows: list[dict]) -> dict:
     """Accuracy, reads and speed per (length, task, mode) at the main budget, plus the sweep."""
     k0 = main_budget(rows)
     main = [r for r in rows if r["mode"] == "full" or r["top_k"] == k0 or k0 is None]
     cells = []
     for (length, task, mode), group in sorted(_group(main, "length", "task", "mode").items(),
                                               key=lambda kv: (kv[0][0], kv[0][1], _mode_rank(kv[0][2]))):
-        far = [r for r in group if _outside_window(r, window)]
+        far = [r for r in group if _outside_window(r)]
         cells.append({
             "length": length, "task": task, "mode": mode, "top_k": None if mode == "full" else k0,
             "n": len(group),
@@ -148,13 +148,12 @@ def _cell(rows, mode, length, depth) -> float:
     return mean(scores) if scores else float("nan")
 
 
-def _outside_window(row: dict, window: int | None) -> bool:
+def _outside_window(row: dict) -> bool:
     """The needle lies before the always-read window (and the sinks), so only routing can find it."""
     if row["depth"] < 0:
         return False
-    win = window if window is not None else row["window"]
     pos = row["depth"] * row["n_tokens"]
-    return row["sinks"] < pos < row["n_tokens"] - win - 256
+    return row["sinks"] < pos < row["n_tokens"] - row["window"] - 256
 
 
 def _mode_rank(mode: str) -> int:
