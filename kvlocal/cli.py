@@ -61,6 +61,9 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Regions routed per layer 
 RegionOpt = Annotated[int, typer.Option("--region", help="Tokens per region (16, 32, 64, 128 or 256).")]
 WindowOpt = Annotated[int, typer.Option("--window", help="Recent tokens always read (rounded up to regions).")]
 SinksOpt = Annotated[int, typer.Option("--sinks", help="First tokens always read (rounded up to regions).")]
+CentroidBlockOpt = Annotated[int, typer.Option(
+    "--centroid-block", help="Tokens per key centroid (16-256); a region is scored from region/block centroids, "
+    "so a larger block reads fewer centroid bytes.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random routing and sampling.")]
 
 
@@ -70,13 +73,13 @@ def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: i
     return RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed)
 
 
-def _open_session(model, ctx, threads, kv_type):
+def _open_session(model, ctx, threads, kv_type, centroid_block=16):
     from kvlocal.progress import StatusLine, download_text
     from kvlocal.session import Session
 
     line = StatusLine()
     session = Session(
-        model, n_ctx=ctx, threads=threads, kv_type=kv_type,
+        model, n_ctx=ctx, threads=threads, kv_type=kv_type, centroid_block=centroid_block,
         model_progress=lambda d, t, s: line.show(download_text(d, t, s)),
     )
     line.done()
@@ -134,6 +137,7 @@ def ask(
     window: WindowOpt = 128,
     sinks: SinksOpt = 64,
     seed: SeedOpt = 0,
+    centroid_block: CentroidBlockOpt = 16,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
@@ -141,7 +145,7 @@ def ask(
 
     route_cfg = _route(route, top_k, region, window, sinks, seed)
     doc = load_document(document)
-    session = _open_session(model, ctx, threads, kv_type)
+    session = _open_session(model, ctx, threads, kv_type, centroid_block)
     _load(session, doc.text, doc.source, not no_cache)
     _stream_answer(session, question, route=route_cfg, max_tokens=max_tokens, temperature=temperature, seed=seed)
 
@@ -272,6 +276,7 @@ def eval_(
     region: RegionOpt = 64,
     window: WindowOpt = 128,
     sinks: SinksOpt = 64,
+    centroid_block: CentroidBlockOpt = 16,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
@@ -297,7 +302,7 @@ def eval_(
     for mode in config.modes:
         _route(mode, top_k, region, window, sinks, 0)  # validates
     filler = load_document(haystack).text if haystack else None
-    session = _open_session(model, None, threads, "f16")
+    session = _open_session(model, None, threads, "f16", centroid_block)
     rows = run_grid(session, config, out / "results.jsonl", filler=filler,
                     haystack_name=str(haystack or ""), log=lambda line: err(f"kvlocal: {line}"))
     summary = report.summarize([r for r in rows if r["length"] in config.lengths and r["task"] in config.tasks])
@@ -329,6 +334,7 @@ def bench(
     region: RegionOpt = 64,
     window: WindowOpt = 128,
     sinks: SinksOpt = 64,
+    centroid_block: CentroidBlockOpt = 16,
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
 ) -> None:
@@ -340,7 +346,7 @@ def bench(
     from kvlocal.progress import human_bytes
 
     route = _route("geometric", top_k, region, window, sinks, 0)
-    session = _open_session(model, None, threads, "f16")
+    session = _open_session(model, None, threads, "f16", centroid_block)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, _ints(lengths), route, n_tokens=tokens, log=log)
     small = make_case(session, "passkey", 4096, [0.5], 1)

@@ -23,7 +23,14 @@ from kvlocal.engine import llama_cpp, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.prompt import PromptParts, build_prompt
-from kvlocal.routing import ReadStats, RouteConfig, read_stats
+from kvlocal.routing import (
+    CENTROID_BLOCK_ENV,
+    CENTROID_BLOCKS,
+    DEFAULT_CENTROID_BLOCK,
+    ReadStats,
+    RouteConfig,
+    read_stats,
+)
 
 KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
 ANSWER_RESERVE = 768  # context tokens kept free for a question and its answer
@@ -121,14 +128,18 @@ class Session:
         threads: int | None = None,
         kv_type: str = "f16",
         n_batch: int = 512,
+        centroid_block: int = DEFAULT_CENTROID_BLOCK,
         model_progress: Callable[[int, int, str], None] | None = None,
     ) -> None:
         if kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
+        if centroid_block not in CENTROID_BLOCKS:
+            raise UsageError(f"--centroid-block must be one of {', '.join(map(str, CENTROID_BLOCKS))} (got {centroid_block})")
         self.engine = require_patched()
         self.model: ResolvedModel = resolve_model(model, progress=model_progress)
         self.kv_type = kv_type
         self.n_batch = n_batch
+        self.centroid_block = centroid_block
         self.threads = threads or default_threads()
         self.requested_ctx = n_ctx
         self.trained_ctx = int(self.model.info.context_length or 0) or 32768
@@ -147,6 +158,9 @@ class Session:
     def _new_llama(self, *, vocab_only: bool = False, n_ctx: int = 512):
         module = llama_cpp()
         gpu = bool(module.llama_supports_gpu_offload())
+        # the KV cache reads its centroid block size when it is created (patch 0003)
+        saved = os.environ.get(CENTROID_BLOCK_ENV)
+        os.environ[CENTROID_BLOCK_ENV] = str(self.centroid_block)
         try:
             return module.Llama(
                 model_path=str(self.model.path),
@@ -164,6 +178,11 @@ class Session:
             )
         except (ValueError, RuntimeError) as err:
             raise EngineError(f"llama.cpp could not load {self.model.path.name}: {err}") from None
+        finally:
+            if saved is None:
+                os.environ.pop(CENTROID_BLOCK_ENV, None)
+            else:
+                os.environ[CENTROID_BLOCK_ENV] = saved
 
     @property
     def ctx(self) -> ctypes.c_void_p:
@@ -346,6 +365,8 @@ class Session:
         if not question.strip():
             raise UsageError("the question is empty")
         route = route or RouteConfig()
+        if route.region % self.centroid_block:
+            raise UsageError(f"--region {route.region} must be a multiple of the centroid block {self.centroid_block}")
         module = llama_cpp()
         with self._lock:
             self._rewind()

@@ -186,3 +186,39 @@ def test_invalid_route_settings_are_usage_errors(tiny_model):
             RouteConfig(region=8).apply(raw.ctx)
     finally:
         raw.close()
+
+
+def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch):
+    """A coarser centroid block scans fewer centroid bytes; a state saved under another block is
+    restored with its centroids rebuilt for the new one (they are not part of the state)."""
+    from kvlocal.session import Session
+
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
+    text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(120))
+    route = RouteConfig(mode="geometric", top_k=2, region=64)
+
+    def first_step(session):
+        for event in session.ask("which value?", route=route, max_tokens=1, want_regions=True):
+            return event.stats
+
+    s16 = Session(str(tiny_model), threads=2)
+    assert not s16.load_document(text).cache_hit  # saves the state
+    st16 = first_step(s16)
+    s16.close()
+    fresh = Session(str(tiny_model), threads=2, centroid_block=64)
+    fresh.load_document(text, use_cache=False)
+    st_fresh = first_step(fresh)
+    fresh.close()
+    s64 = Session(str(tiny_model), threads=2, centroid_block=64)
+    assert s64.load_document(text).cache_hit
+    st64 = first_step(s64)
+    with pytest.raises(UsageError, match="multiple of the centroid block"):
+        next(s64.ask("which value?", route=RouteConfig(region=32), max_tokens=1))
+    s64.close()
+    n_layer, n_head_kv, head_dim = 2, 2, 16
+    n_reg = st64.n_kv // 64
+    assert st16.bytes_meta == n_layer * n_reg * 4 * n_head_kv * head_dim * 2
+    assert st64.bytes_meta == n_layer * n_reg * 1 * n_head_kv * head_dim * 2
+    np.testing.assert_array_equal(st64.regions, st_fresh.regions)
+    with pytest.raises(UsageError):
+        Session(str(tiny_model), centroid_block=48)

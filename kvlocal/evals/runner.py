@@ -58,7 +58,7 @@ def make_case(session: Session, task: str, length: int, depths, seed: int, fille
 
 def row_key(row: dict) -> tuple:
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
-            row["window"], row["sinks"], row.get("haystack", ""))
+            row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", 16))
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -100,7 +100,7 @@ def run_grid(
                     (i, probe, route)
                     for i, probe in enumerate(case.probes)
                     for route in config.routes()
-                    if _key(length, task, seed, i, route, haystack_name) not in done
+                    if _key(length, task, seed, i, route, haystack_name, session.centroid_block) not in done
                 ]
                 if not todo:
                     continue
@@ -118,9 +118,9 @@ def run_grid(
     return rows
 
 
-def _key(length, task, seed, probe_index, route, haystack_name) -> tuple:
+def _key(length, task, seed, probe_index, route, haystack_name, centroid_block) -> tuple:
     return (length, task, seed, probe_index, route.mode, route.top_k, route.region, route.window, route.sinks,
-            haystack_name)
+            haystack_name, centroid_block)
 
 
 def _load(session: Session, case: Case, length: int, seed: int, log) -> dict:
@@ -143,6 +143,7 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "depth": probe.depth,
         "haystack": haystack_name,
         **{k: v for k, v in asdict(route).items() if k != "seed"},
+        "centroid_block": session.centroid_block,
         "score": score(probe, summary.text),
         "answer": summary.text.strip(),
         "expected": list(probe.answers),
