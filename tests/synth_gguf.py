@@ -1,4 +1,4 @@
-"""A tiny random-weight Qwen2 GGUF for tests: loads and decodes in llama.cpp in milliseconds.
+"""Tiny random-weight GGUFs for tests (Qwen2, and an iSWA OLMo2): loads and decodes in llama.cpp in milliseconds.
 
 The layout mirrors what convert_hf_to_gguf.py writes for Qwen2.5: architecture
 `qwen2`, q/k/v biases, a byte-level BPE vocabulary (`gpt2` model, `qwen2`
@@ -114,6 +114,31 @@ def write_tiny_qwen2(
     seed: int = 0,
 ) -> Path:
     """Write a random-weight qwen2 GGUF (all tensors F32) to `path` and return it."""
+    return _write_tiny(path, "qwen2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                       n_ff=n_ff, n_ctx=n_ctx, seed=seed)
+
+
+def write_tiny_olmo2_swa(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 4,
+    n_swa: int = 128,
+    swa_pattern: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_ctx: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight olmo2 GGUF with sliding-window attention (an iSWA model: in every
+    `swa_pattern` layers the last one attends the whole context, the others a window of `n_swa`)."""
+    return _write_tiny(path, "olmo2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                       n_ff=n_ff, n_ctx=n_ctx, seed=seed, n_swa=n_swa, swa_pattern=swa_pattern)
+
+
+def _write_tiny(path, arch: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, n_ctx, seed,
+                n_swa: int = 0, swa_pattern: int = 0) -> Path:
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
     path = Path(path)
@@ -135,25 +160,35 @@ def write_tiny_qwen2(
     }
     for i in range(n_layer):
         tensors |= {
-            f"blk.{i}.attn_norm.weight": ones(n_embd),
             f"blk.{i}.attn_q.weight": rand(n_embd, n_embd),
-            f"blk.{i}.attn_q.bias": rand(n_embd),
             f"blk.{i}.attn_k.weight": rand(n_embd_kv, n_embd),
-            f"blk.{i}.attn_k.bias": rand(n_embd_kv),
             f"blk.{i}.attn_v.weight": rand(n_embd_kv, n_embd),
-            f"blk.{i}.attn_v.bias": rand(n_embd_kv),
             f"blk.{i}.attn_output.weight": rand(n_embd, n_embd),
-            f"blk.{i}.ffn_norm.weight": ones(n_embd),
             f"blk.{i}.ffn_gate.weight": rand(n_ff, n_embd),
             f"blk.{i}.ffn_up.weight": rand(n_ff, n_embd),
             f"blk.{i}.ffn_down.weight": rand(n_embd, n_ff),
         }
+        if arch == "qwen2":
+            tensors |= {
+                f"blk.{i}.attn_norm.weight": ones(n_embd),
+                f"blk.{i}.attn_q.bias": rand(n_embd),
+                f"blk.{i}.attn_k.bias": rand(n_embd_kv),
+                f"blk.{i}.attn_v.bias": rand(n_embd_kv),
+                f"blk.{i}.ffn_norm.weight": ones(n_embd),
+            }
+        else:  # olmo2: q/k norms, norms after attention and FFN
+            tensors |= {
+                f"blk.{i}.attn_q_norm.weight": ones(n_embd),
+                f"blk.{i}.attn_k_norm.weight": ones(n_embd_kv),
+                f"blk.{i}.post_attention_norm.weight": ones(n_embd),
+                f"blk.{i}.post_ffw_norm.weight": ones(n_embd),
+            }
 
     eot = tokens.index("<|endoftext|>")
     im_end = tokens.index("<|im_end|>")
-    writer = GGUFWriter(str(path), "qwen2")
+    writer = GGUFWriter(str(path), arch)
     writer.add_type("model")
-    writer.add_name("kvlocal tiny qwen2 (random weights)")
+    writer.add_name(f"kvlocal tiny {arch} (random weights)")
     writer.add_file_type(LlamaFileType.ALL_F32)
     writer.add_context_length(n_ctx)
     writer.add_embedding_length(n_embd)
@@ -163,6 +198,9 @@ def write_tiny_qwen2(
     writer.add_head_count_kv(n_head_kv)
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-6)
+    if n_swa:
+        writer.add_sliding_window(n_swa)
+        writer.add_uint32(f"{arch}.attention.sliding_window_pattern", swa_pattern)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)

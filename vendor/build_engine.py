@@ -15,7 +15,7 @@ The patch-set id (sha256 over the patch files, in order) is compiled into the li
 returned by llama_kvlocal_build_id(); kvlocal compares it with the repository's patches.
 
 Usage: python vendor/build_engine.py [--backend cpu|cuda|metal] [--cuda-arch 90]
-       [--jobs N] [--tests] [--check]
+       [--jobs N] [--tests] [--tests-only] [--compile-check] [--prepare-only] [--print-id]
 """
 
 from __future__ import annotations
@@ -216,6 +216,50 @@ def build_backend_ops_tests(tree: Path, jobs: int, set_id: str) -> Path:
     return binary
 
 
+# What the routed decode graph needs from the CUDA backend: its dispatcher (supports_op, graph
+# compute) and the kernels of the ops the graph uses, plus the patched ggml and llama sources.
+CUDA_CHECK_SOURCES = (
+    "ggml-cuda.cu", "getrows.cu", "set-rows.cu", "top-k.cu", "argsort.cu", "concat.cu", "pool2d.cu",
+    "fattn.cu", "cpy.cu", "binbcast.cu", "scale.cu", "rope.cu", "norm.cu", "mmvf.cu", "mmvq.cu",
+)
+
+
+def compile_check(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: str) -> None:
+    """Configure the patched llama.cpp for CUDA and compile only the objects the routed graph
+    depends on (no link, no install): a check that needs the CUDA compiler, not a GPU."""
+    if backend != "cuda":
+        die("--compile-check is for --backend cuda (a Metal build needs macOS)")
+    bin_dir = Path(sys.executable).parent
+    cmake = str(bin_dir / "cmake") if (bin_dir / "cmake").exists() else shutil.which("cmake")
+    ninja = str(bin_dir / "ninja") if (bin_dir / "ninja").exists() else shutil.which("ninja")
+    if not cmake or not ninja:
+        die("cmake and ninja are required (pip install cmake ninja)")
+    llama_dir = tree / "vendor" / "llama.cpp"
+    build_dir = BUILD / "cuda-check"
+    say(f"configuring llama.cpp for CUDA (arch {cuda_arch or 'native'}) in {build_dir.relative_to(ROOT)}")
+    configure = [
+        cmake, "-S", str(llama_dir), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+        "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+        *[a for a in cmake_args(backend, cuda_arch, set_id) if not a.startswith("-DLLAVA")],
+    ]
+    if subprocess.run(configure, stdout=sys.stderr).returncode != 0:
+        die("CMake could not configure the CUDA build (is the CUDA toolkit with cuBLAS installed?)")
+    listed = subprocess.run([ninja, "-C", str(build_dir), "-t", "targets", "all"], check=True,
+                            capture_output=True, text=True).stdout
+    outputs = {line.split(":")[0] for line in listed.splitlines()}
+    wanted = [f"ggml/src/ggml-cuda/CMakeFiles/ggml-cuda.dir/{name}.o" for name in CUDA_CHECK_SOURCES]
+    wanted += ["ggml/src/CMakeFiles/ggml-base.dir/ggml.c.o", "src/CMakeFiles/llama.dir/llama-graph.cpp.o",
+               "src/CMakeFiles/llama.dir/llama-kv-cache.cpp.o", "src/CMakeFiles/llama.dir/llama-context.cpp.o"]
+    missing = [w for w in wanted if w not in outputs]
+    if missing:
+        die(f"the CUDA build has no such objects: {', '.join(missing)}")
+    say(f"compiling {len(wanted)} objects with nvcc and the host compiler")
+    if subprocess.run([ninja, "-C", str(build_dir), "-j", str(jobs), *wanted], stdout=sys.stderr).returncode != 0:
+        die("the CUDA compile check failed (see the log above)")
+    say(f"CUDA compile check passed: {len(wanted)} objects of patch set {set_id} for arch {cuda_arch or 'native'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["cpu", "cuda", "metal"], default="cpu")
@@ -225,6 +269,9 @@ def main() -> None:
     parser.add_argument("--tests-only", action="store_true", help="only build test-backend-ops (CPU)")
     parser.add_argument("--prepare-only", action="store_true", help="fetch, verify and patch; do not build")
     parser.add_argument("--print-id", action="store_true", help="print the patch-set id and exit")
+    parser.add_argument("--compile-check", action="store_true",
+                        help="with --backend cuda: configure and compile the objects the routed graph needs "
+                             "(no GPU needed, no install)")
     args = parser.parse_args()
 
     if args.print_id:
@@ -241,6 +288,9 @@ def main() -> None:
         return
     if args.tests_only:
         build_backend_ops_tests(tree, args.jobs, set_id)
+        return
+    if args.compile_check:
+        compile_check(tree, args.backend, args.cuda_arch, args.jobs, set_id)
         return
     install(tree, args.backend, args.cuda_arch, args.jobs, set_id)
     if args.tests:

@@ -17,16 +17,31 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     return groups
 
 
+DEFAULT_BLOCK = 16  # rows written before the centroid block was recorded used this one
+
+
+def block(row: dict) -> int:
+    return row.get("centroid_block", DEFAULT_BLOCK)
+
+
 def main_budget(rows: list[dict]) -> int | None:
     """The top-k the controls ran at (the grid's main budget)."""
     ks = {r["top_k"] for r in rows if r["mode"] in ("window", "random")}
     return min(ks) if ks else None
 
 
+def main_block(rows: list[dict]) -> int:
+    """The centroid block of the main geometric cells (the smallest one run)."""
+    blocks = {block(r) for r in rows if r["mode"] == "geometric"}
+    return min(blocks) if blocks else DEFAULT_BLOCK
+
+
 def summarize(rows: list[dict]) -> dict:
     """Accuracy, reads and speed per (length, task, mode) at the main budget, plus the sweep."""
     k0 = main_budget(rows)
-    main = [r for r in rows if r["mode"] == "full" or r["top_k"] == k0 or k0 is None]
+    b0 = main_block(rows)
+    main = [r for r in rows if r["mode"] == "full" or
+            ((r["top_k"] == k0 or k0 is None) and (r["mode"] != "geometric" or block(r) == b0))]
     cells = []
     for (length, task, mode), group in sorted(_group(main, "length", "task", "mode").items(),
                                               key=lambda kv: (kv[0][0], kv[0][1], _mode_rank(kv[0][2]))):
@@ -41,12 +56,12 @@ def summarize(rows: list[dict]) -> dict:
             "decode_tps": mean(r["decode_tps"] for r in group),
             "prefill_tps": _first([r["prefill_tps"] for r in group]),
         })
-    return {"main_top_k": k0, "cells": cells, "sweep": sweep(rows)}
+    return {"main_top_k": k0, "main_centroid_block": b0, "cells": cells, "sweep": sweep(rows)}
 
 
 def sweep(rows: list[dict]) -> list[dict]:
-    """Per length and task: accuracy and reduction of geometric at each budget, and the smallest
-    budget whose accuracy matches full."""
+    """Per length and task: accuracy and reduction of geometric at each budget (top-k and centroid
+    block), and the budget with the largest reduction whose accuracy matches full."""
     out = []
     for (length, task), group in sorted(_group(rows, "length", "task").items()):
         dense = [r["score"] for r in group if r["mode"] == "full"]
@@ -54,13 +69,15 @@ def sweep(rows: list[dict]) -> list[dict]:
             continue
         full_acc = mean(dense)
         points = []
-        for (k,), g in sorted(_group([r for r in group if r["mode"] == "geometric"], "top_k").items()):
-            points.append({"top_k": k, "accuracy": mean(r["score"] for r in g),
+        geo = [dict(r, centroid_block=block(r)) for r in group if r["mode"] == "geometric"]
+        for (b, k), g in sorted(_group(geo, "centroid_block", "top_k").items()):
+            points.append({"top_k": k, "centroid_block": b, "accuracy": mean(r["score"] for r in g),
                            "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in g)})
         matching = [p for p in points if p["accuracy"] >= full_acc - 1e-9]
-        best = min(matching, key=lambda p: p["top_k"]) if matching else None
+        best = max(matching, key=lambda p: p["reduction"]) if matching else None
         out.append({"length": length, "task": task, "full_accuracy": full_acc, "points": points,
                     "smallest_matching_top_k": best["top_k"] if best else None,
+                    "centroid_block_at_match": best["centroid_block"] if best else None,
                     "reduction_at_match": best["reduction"] if best else None})
     return out
 
@@ -78,14 +95,21 @@ def markdown(summary: dict) -> str:
         )
     if any(s["points"] for s in summary["sweep"]):
         lines += ["", "Budget sweep (geometric):", "",
-                  "| length | task | full acc. | budgets (top-k: acc., reduction) | smallest matching | reduction |",
+                  "| length | task | full acc. | budgets (top-k[/centroid block]: acc., reduction) "
+                  "| smallest matching | reduction |",
                   "|---:|---|---:|---|---:|---:|"]
         for s in summary["sweep"]:
-            pts = ", ".join(f"{p['top_k']}: {p['accuracy']:.0%} x{p['reduction']:.1f}" for p in s["points"])
-            k = "–" if s["smallest_matching_top_k"] is None else s["smallest_matching_top_k"]
+            pts = ", ".join(f"{_budget(p)}: {p['accuracy']:.0%} x{p['reduction']:.1f}" for p in s["points"])
+            k = "–" if s["smallest_matching_top_k"] is None else _budget(
+                {"top_k": s["smallest_matching_top_k"], "centroid_block": s.get("centroid_block_at_match")})
             red = "–" if s["reduction_at_match"] is None else f"{s['reduction_at_match']:.1f}x"
             lines.append(f"| {s['length']:,} | {s['task']} | {s['full_accuracy']:.0%} | {pts} | {k} | {red} |")
     return "\n".join(lines)
+
+
+def _budget(point: dict) -> str:
+    b = point.get("centroid_block") or DEFAULT_BLOCK
+    return str(point["top_k"]) if b == DEFAULT_BLOCK else f"{point['top_k']}/b{b}"
 
 
 def write_json(summary: dict, path: Path) -> None:
@@ -104,8 +128,10 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     k0 = summary["main_top_k"]
+    b0 = summary.get("main_centroid_block", DEFAULT_BLOCK)
     for task in sorted({r["task"] for r in rows if r["depth"] >= 0}):
-        task_rows = [r for r in rows if r["task"] == task and (r["mode"] == "full" or r["top_k"] == k0)]
+        task_rows = [r for r in rows if r["task"] == task and (r["mode"] == "full" or r["top_k"] == k0)
+                     and (r["mode"] != "geometric" or block(r) == b0)]
         lengths = sorted({r["length"] for r in task_rows})
         depths = sorted({r["depth"] for r in task_rows})
         modes = [m for m in MODES_ORDER if any(r["mode"] == m for r in task_rows)]
@@ -127,9 +153,11 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
     if any(s["points"] for s in summary["sweep"]):
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         for s in summary["sweep"]:
-            pts = s["points"]
-            ax.plot([p["reduction"] for p in pts], [p["accuracy"] for p in pts], marker="o",
-                    label=f"{s['task']} {s['length'] // 1024}k (full {s['full_accuracy']:.0%})")
+            for b in sorted({p["centroid_block"] for p in s["points"]}):
+                pts = sorted((p for p in s["points"] if p["centroid_block"] == b), key=lambda p: p["reduction"])
+                tag = "" if b == DEFAULT_BLOCK else f", block {b}"
+                ax.plot([p["reduction"] for p in pts], [p["accuracy"] for p in pts], marker="o",
+                        label=f"{s['task']} {s['length'] // 1024}k{tag} (full {s['full_accuracy']:.0%})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV bytes read: reduction vs dense (centroids included)")
         ax.set_ylabel("accuracy (geometric)")
