@@ -363,7 +363,7 @@ def bench(
     }
     session.close()
     if upkeep:
-        report["centroid_upkeep"] = b.centroid_upkeep_share(model, small.text, threads)
+        report["centroid_upkeep"] = b.centroid_upkeep_share(model, small.text, threads, centroid_block)
     print(f"model {report['model']}, {report['threads']} threads, route {report['route']}")
     print("| context | KV bytes | full tok/s | geometric tok/s | speedup | KV bytes read, reduction |")
     print("|---:|---:|---:|---:|---:|---:|")

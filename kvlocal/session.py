@@ -133,7 +133,7 @@ class Session:
     ) -> None:
         if kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
-        if centroid_block not in CENTROID_BLOCKS:
+        if centroid_block not in CENTROID_BLOCKS and centroid_block != 0:  # 0: no centroids, every step dense
             raise UsageError(f"--centroid-block must be one of {', '.join(map(str, CENTROID_BLOCKS))} (got {centroid_block})")
         self.engine = require_patched()
         self.model: ResolvedModel = resolve_model(model, progress=model_progress)
@@ -365,7 +365,7 @@ class Session:
         if not question.strip():
             raise UsageError("the question is empty")
         route = route or RouteConfig()
-        if route.region % self.centroid_block:
+        if self.centroid_block and route.region % self.centroid_block:
             raise UsageError(f"--region {route.region} must be a multiple of the centroid block {self.centroid_block}")
         module = llama_cpp()
         with self._lock:
@@ -422,6 +422,12 @@ class Session:
             if isinstance(event, AnswerSummary):
                 result = event
         return result
+
+    def unload(self) -> None:
+        """Free the context and its KV cache (the next load_document starts as a new process would)."""
+        with self._lock:
+            self.llm = None
+            self.n_prefix = 0
 
     def close(self) -> None:
         self.llm = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -162,3 +163,17 @@ def test_ask_does_not_import_textual(cache_dir, doc, tiny_model):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_bench_reports_speed_ttft_and_upkeep(cache_dir, tiny_model, tmp_path):
+    out = tmp_path / "bench.json"
+    result = run("bench", "--model", str(tiny_model), "--lengths", "2k", "--tokens", "4", "--top-k", "2",
+                 "--centroid-block", "32", "--out", str(out))
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(out.read_text())
+    [length] = report["lengths"]
+    assert length["length"] == 2048 and length["full_tps"] > 0 and length["geometric_tps"] > 0
+    assert length["bytes_reduction"] > 1  # routed steps read fewer bytes than dense ones
+    assert report["ttft_fresh_s"] > 0 and report["ttft_cached_s"] > 0
+    assert report["centroid_upkeep"]["with_s"] > 0 and report["centroid_upkeep"]["without_s"] > 0
+    assert "| geometric tok/s |" in result.stdout and "centroid upkeep" in result.stdout

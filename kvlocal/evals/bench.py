@@ -6,7 +6,6 @@ prefilled state, so a noisy, shared machine still gives comparable figures.
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 from collections.abc import Callable
@@ -16,7 +15,6 @@ from kvlocal.evals.runner import DEFAULT_DEPTHS, make_case
 from kvlocal.routing import RouteConfig
 from kvlocal.session import AnswerPiece, Session
 
-CENTROID_ENV = "LLAMA_KV_CENTROID_BLOCK"
 
 
 @dataclass
@@ -81,7 +79,7 @@ def time_to_first_token(session: Session, text: str, route: RouteConfig, questio
     for label, use_cache in (("fresh", False), ("cached", True)):
         if use_cache:
             session.load_document(text, label="bench ttft")  # make sure the state is saved
-            session.llm = None  # a new context, as a new process would have
+            session.unload()  # a new context, as a new process would have
         start = time.perf_counter()
         session.load_document(text, label="bench ttft", use_cache=use_cache)
         for event in session.ask(question, route=route, max_tokens=1):
@@ -91,24 +89,17 @@ def time_to_first_token(session: Session, text: str, route: RouteConfig, questio
     return out
 
 
-def centroid_upkeep_share(model: str | None, text: str, threads: int | None, repeats: int = 2) -> dict[str, float]:
+def centroid_upkeep_share(model: str | None, text: str, threads: int | None, centroid_block: int = 16,
+                          repeats: int = 2) -> dict[str, float]:
     """Prefill time with the region centroids kept up to date vs without them (same text, fresh contexts)."""
     times: dict[str, list[float]] = {"with": [], "without": []}
-    old = os.environ.get(CENTROID_ENV)
-    try:
-        for _ in range(repeats):
-            for label, value in (("without", "0"), ("with", old or "16")):
-                os.environ[CENTROID_ENV] = value
-                session = Session(model, threads=threads)
-                start = time.perf_counter()
-                session.load_document(text, label="bench upkeep", use_cache=False)
-                times[label].append(time.perf_counter() - start)
-                session.close()
-    finally:
-        if old is None:
-            os.environ.pop(CENTROID_ENV, None)
-        else:
-            os.environ[CENTROID_ENV] = old
+    for _ in range(repeats):
+        for label, blk in (("without", 0), ("with", centroid_block)):
+            session = Session(model, threads=threads, centroid_block=blk)
+            start = time.perf_counter()
+            session.load_document(text, label="bench upkeep", use_cache=False)
+            times[label].append(time.perf_counter() - start)
+            session.close()
     with_, without = min(times["with"]), min(times["without"])
     return {"with_s": with_, "without_s": without, "share": (with_ - without) / with_}
 
