@@ -34,7 +34,7 @@ FALLBACK_REASONS = {
     2: "the KV cache keeps no region centroids (several sequences, MLA, or LLAMA_KV_CENTROID_BLOCK=0)",
     3: "the V cache is transposed (flash attention is off)",
     4: "the model uses ALiBi, learned sinks, a KQ bias or logit soft-capping",
-    5: "the model's attention does not use the standard KV cache (e.g. sliding-window iSWA)",
+    5: "the model's attention does not use the standard KV cache (e.g. recurrent or hybrid memory)",
 }
 
 

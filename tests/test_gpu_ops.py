@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from engine_probe import RawContext, ggml_base  # noqa: E402
-from synth_gguf import write_tiny_qwen2  # noqa: E402
+from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2  # noqa: E402
 
 from kvlocal.engine import llama_cpp  # noqa: E402
 from kvlocal.routing import RouteConfig  # noqa: E402
@@ -149,10 +149,19 @@ def model64(tmp_path_factory):
     return write_tiny_qwen2(tmp_path_factory.mktemp("gpu") / "m64.gguf", n_embd=256, n_head=4, n_head_kv=2, seed=5)
 
 
+@pytest.fixture(scope="module")
+def iswa64(tmp_path_factory):
+    # an iSWA model (sliding-window and full-attention layers), head_dim 64
+    return write_tiny_olmo2_swa(tmp_path_factory.mktemp("gpu") / "iswa64.gguf", n_embd=256, n_head=4, n_head_kv=2,
+                                seed=6)
+
+
 @pytest.mark.parametrize("kv_type", [F16, Q8_0])
 @pytest.mark.parametrize("mode", ["geometric", "window", "random"])
-def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, kv_type, mode):
-    nodes = record_decode_graph(model64, kv_type, RouteConfig(mode=mode, top_k=3, region=64))
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
+def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, iswa64, kv_type, mode, arch):
+    model = model64 if arch == "qwen2" else iswa64
+    nodes = record_decode_graph(model, kv_type, RouteConfig(mode=mode, top_k=3, region=64))
     routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent"))]
     assert routed, "the decode step did not take the routed path"
     bad_cuda = [(n["op"], n["name"]) for n in nodes if not cuda_supports(n)]

@@ -39,6 +39,7 @@ class FakeSession:
         self.n_layer = n_layer
         self.n_head_kv = n_head_kv
         self.prefill_delay = prefill_delay
+        self.hold_prefill = False  # prefill waits for the cancel event after its first chunk
         self.answer_words = (answer or "The gauge at post seven read ninety one units.").split()
         self.tokens: list[str] = []
         self.n_prefix = 0
@@ -59,6 +60,8 @@ class FakeSession:
             time.sleep(self.prefill_delay)
             if progress:
                 progress(PrefillProgress(min(i + 64, n), n, 0.5))
+            if self.hold_prefill and cancel is not None:
+                cancel.wait(timeout=30)
         self.tokens, self.n_prefix = words, n
         self.saved.add(text)
         return LoadResult(n, n_ctx, False, 0.5)
@@ -275,17 +278,18 @@ async def test_mode_budget_and_reask_make_comparable_entries(doc):
 
 @pytest.mark.asyncio
 async def test_escape_cancels_prefill_cleanly(doc):
-    session = FakeSession(prefill_delay=0.2)
+    session = FakeSession()
+    session.hold_prefill = True  # the prefill is still running when escape arrives, however slow the machine
     app = fake_app(doc, session)
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_for(pilot, lambda: app.busy == "load" and app._load_screen is not None)
-        await pilot.pause(0.1)
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.busy is None)
         assert app.document is None and session.n_prefix == 0
         assert any("cancelled" in text for text in notices(app))
         assert app.screen is app.screen_stack[0]  # the progress screen is gone
         # the app still works: opening again loads (the cancelled prefill saved nothing)
+        session.hold_prefill = False
         app.open_document(doc)
         await wait_for(pilot, lambda: app.document is not None)
         assert not app.document.cache_hit
