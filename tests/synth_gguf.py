@@ -102,43 +102,22 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens + list(SPECIAL_TOKENS), types, list(_MERGES)
 
 
-def write_tiny_qwen2(
-    path: str | os.PathLike[str],
-    *,
-    n_layer: int = 2,
-    n_embd: int = 64,
-    n_head: int = 4,
-    n_head_kv: int = 2,
-    n_ff: int = 128,
-    n_ctx: int = 4096,
-    seed: int = 0,
-) -> Path:
-    """Write a random-weight qwen2 GGUF (all tensors F32) to `path` and return it."""
-    return _write_tiny(path, "qwen2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-                       n_ff=n_ff, n_ctx=n_ctx, seed=seed)
+def write_tiny_qwen2(path: str | os.PathLike[str], *, n_layer: int = 2, **hparams) -> Path:
+    """Write a random-weight qwen2 GGUF (all tensors F32) to `path` and return it.
+    `hparams`: n_embd (64), n_head (4), n_head_kv (2), n_ff (128), n_ctx (4096), seed (0)."""
+    return _write_tiny(path, "qwen2", n_layer=n_layer, **hparams)
 
 
 def write_tiny_olmo2_swa(
-    path: str | os.PathLike[str],
-    *,
-    n_layer: int = 4,
-    n_swa: int = 128,
-    swa_pattern: int = 2,
-    n_embd: int = 64,
-    n_head: int = 4,
-    n_head_kv: int = 2,
-    n_ff: int = 128,
-    n_ctx: int = 4096,
-    seed: int = 0,
+    path: str | os.PathLike[str], *, n_layer: int = 4, n_swa: int = 128, swa_pattern: int = 2, **hparams
 ) -> Path:
     """Write a random-weight olmo2 GGUF with sliding-window attention (an iSWA model: in every
     `swa_pattern` layers the last one attends the whole context, the others a window of `n_swa`)."""
-    return _write_tiny(path, "olmo2", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-                       n_ff=n_ff, n_ctx=n_ctx, seed=seed, n_swa=n_swa, swa_pattern=swa_pattern)
+    return _write_tiny(path, "olmo2", n_layer=n_layer, n_swa=n_swa, swa_pattern=swa_pattern, **hparams)
 
 
-def _write_tiny(path, arch: str, *, n_layer, n_embd, n_head, n_head_kv, n_ff, n_ctx, seed,
-                n_swa: int = 0, swa_pattern: int = 0) -> Path:
+def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+                n_ff: int = 128, n_ctx: int = 4096, seed: int = 0, n_swa: int = 0, swa_pattern: int = 0) -> Path:
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
     path = Path(path)

@@ -67,16 +67,22 @@ def test_engine_is_patched_and_current():
     assert info.current, (info.patchset, info.repo_patchset)
 
 
+def oracle_runs(raw: RawContext, steps: list[int]):
+    """Prefill N_DOC tokens, then decode `steps` densely, with every region routed, and with one."""
+    raw.decode(doc_tokens(N_DOC))
+    return [decode_steps(raw, N_DOC, steps, route) for route in (
+        RouteConfig(mode="full"),
+        RouteConfig(mode="geometric", top_k=1000, region=64),
+        RouteConfig(mode="geometric", top_k=1, region=64),
+    )]
+
+
 @pytest.mark.parametrize("kv_type, which", [(1, "tiny"), (8, "m64")])
 def test_all_regions_reproduce_dense(tiny_model, model64, kv_type, which):
     path = tiny_model if which == "tiny" else model64
     raw = RawContext(path, n_ctx=2048, kv_type=kv_type)
     try:
-        raw.decode(doc_tokens(N_DOC))
-        steps = doc_tokens(12, seed=1)
-        dense = decode_steps(raw, N_DOC, steps, RouteConfig(mode="full"))
-        routed = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1000, region=64))
-        small = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1, region=64))
+        dense, routed, small = oracle_runs(raw, doc_tokens(12, seed=1))
     finally:
         raw.close()
     diff = max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, routed))
@@ -236,11 +242,7 @@ def test_iswa_routes_the_full_attention_layers(iswa_model):
     SWA layers read their window densely, counted as such."""
     raw = RawContext(iswa_model, n_ctx=2048)
     try:
-        raw.decode(doc_tokens(N_DOC))
-        steps = doc_tokens(8, seed=2)
-        dense = decode_steps(raw, N_DOC, steps, RouteConfig(mode="full"))
-        routed = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1000, region=64))
-        small = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1, region=64))
+        dense, routed, small = oracle_runs(raw, doc_tokens(8, seed=2))
         [(_, win)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="window", top_k=3, region=64))
     finally:
         raw.close()
