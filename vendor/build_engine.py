@@ -243,8 +243,12 @@ def compile_check(tree: Path, backend: str, cuda_arch: str | None, jobs: int, se
         "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
         *[a for a in cmake_args(backend, cuda_arch, set_id) if not a.startswith("-DLLAVA")],
     ]
+    toolkit = os.environ.get("CUDAToolkit_ROOT")
+    if toolkit and (Path(toolkit) / "bin" / "nvcc").exists():
+        configure.append(f"-DCMAKE_CUDA_COMPILER={Path(toolkit) / 'bin' / 'nvcc'}")
     if subprocess.run(configure, stdout=sys.stderr).returncode != 0:
-        die("CMake could not configure the CUDA build (is the CUDA toolkit with cuBLAS installed?)")
+        die("CMake could not configure the CUDA build: it needs the CUDA toolkit with cuBLAS and the driver "
+            "library or its stub (lib64/stubs/libcuda.so); CUDAToolkit_ROOT points CMake at a toolkit")
     listed = subprocess.run([ninja, "-C", str(build_dir), "-t", "targets", "all"], check=True,
                             capture_output=True, text=True).stdout
     outputs = {line.split(":")[0] for line in listed.splitlines()}
