@@ -16,7 +16,6 @@ from kvlocal.routing import RouteConfig
 from kvlocal.session import AnswerPiece, Session
 
 
-
 @dataclass
 class DecodeRun:
     mode: str

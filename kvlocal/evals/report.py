@@ -7,6 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from kvlocal.routing import DEFAULT_CENTROID_BLOCK
+
 MODES_ORDER = ("full", "geometric", "window", "random")
 
 
@@ -17,11 +19,11 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     return groups
 
 
-DEFAULT_BLOCK = 16  # rows written before the centroid block was recorded used this one
 
 
 def block(row: dict) -> int:
-    return row.get("centroid_block", DEFAULT_BLOCK)
+    """The row's centroid block (rows written before it was recorded used the default)."""
+    return row.get("centroid_block", DEFAULT_CENTROID_BLOCK)
 
 
 def main_budget(rows: list[dict]) -> int | None:
@@ -33,7 +35,7 @@ def main_budget(rows: list[dict]) -> int | None:
 def main_block(rows: list[dict]) -> int:
     """The centroid block of the main geometric cells (the smallest one run)."""
     blocks = {block(r) for r in rows if r["mode"] == "geometric"}
-    return min(blocks) if blocks else DEFAULT_BLOCK
+    return min(blocks) if blocks else DEFAULT_CENTROID_BLOCK
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -108,8 +110,8 @@ def markdown(summary: dict) -> str:
 
 
 def _budget(point: dict) -> str:
-    b = point.get("centroid_block") or DEFAULT_BLOCK
-    return str(point["top_k"]) if b == DEFAULT_BLOCK else f"{point['top_k']}/b{b}"
+    b = point.get("centroid_block") or DEFAULT_CENTROID_BLOCK
+    return str(point["top_k"]) if b == DEFAULT_CENTROID_BLOCK else f"{point['top_k']}/b{b}"
 
 
 def write_json(summary: dict, path: Path) -> None:
@@ -128,7 +130,7 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     k0 = summary["main_top_k"]
-    b0 = summary.get("main_centroid_block", DEFAULT_BLOCK)
+    b0 = summary.get("main_centroid_block", DEFAULT_CENTROID_BLOCK)
     for task in sorted({r["task"] for r in rows if r["depth"] >= 0}):
         task_rows = [r for r in rows if r["task"] == task and (r["mode"] == "full" or r["top_k"] == k0)
                      and (r["mode"] != "geometric" or block(r) == b0)]
@@ -155,7 +157,7 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
         for s in summary["sweep"]:
             for b in sorted({p["centroid_block"] for p in s["points"]}):
                 pts = sorted((p for p in s["points"] if p["centroid_block"] == b), key=lambda p: p["reduction"])
-                tag = "" if b == DEFAULT_BLOCK else f", block {b}"
+                tag = "" if b == DEFAULT_CENTROID_BLOCK else f", block {b}"
                 ax.plot([p["reduction"] for p in pts], [p["accuracy"] for p in pts], marker="o",
                         label=f"{s['task']} {s['length'] // 1024}k{tag} (full {s['full_accuracy']:.0%})")
         ax.set_xscale("log", base=2)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvlocal.evals.tasks import Case, build_case, score
-from kvlocal.routing import RouteConfig
+from kvlocal.routing import DEFAULT_CENTROID_BLOCK, RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
 
 MODES = ("full", "geometric", "window", "random")
@@ -58,7 +58,7 @@ def make_case(session: Session, task: str, length: int, depths, seed: int, fille
 
 def row_key(row: dict) -> tuple:
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
-            row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", 16))
+            row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", DEFAULT_CENTROID_BLOCK))
 
 
 def load_rows(path: Path) -> list[dict]:
