@@ -19,8 +19,6 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     return groups
 
 
-
-
 def block(row: dict) -> int:
     """The row's centroid block (rows written before it was recorded used the default)."""
     return row.get("centroid_block", DEFAULT_CENTROID_BLOCK)
