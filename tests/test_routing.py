@@ -250,7 +250,7 @@ def test_iswa_routes_the_full_attention_layers(iswa_model):
     # OLMo2's q/k norms make attention sharp, so the CPU flash-attention kernel's F16 accumulation
     # of V shows: measured 1.1e-2 for routed vs 2.2e-3 for dense (which splits its 1.5k rows over
     # the 2 threads; on one thread dense reaches 8e-3 against attention without flash attention).
-    # Dropping regions (top-1) moves the logits by 0.25-0.37.
+    # Dropping regions (top-1) moves the logits by 0.25-0.37. tests/fa_precision_probe.py measures it.
     assert diff <= 2e-2, f"max |logit diff| {diff}"
     assert max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, small)) > 10 * diff
     for st in [s for _, s in routed + small] + [win]:
