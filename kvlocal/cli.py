@@ -61,6 +61,8 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Regions routed per layer 
 RegionOpt = Annotated[int, typer.Option("--region", help="Tokens per region (16, 32, 64, 128 or 256).")]
 WindowOpt = Annotated[int, typer.Option("--window", help="Recent tokens always read (rounded up to regions).")]
 SinksOpt = Annotated[int, typer.Option("--sinks", help="First tokens always read (rounded up to regions).")]
+# = kvlocal.routing.DEFAULT_CENTROID_BLOCK, not imported here so that the CLI starts without the engine
+CENTROID_BLOCK = 16
 CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", help="Tokens per key centroid (16-256); a region is scored from region/block centroids, "
     "so a larger block reads fewer centroid bytes.")]
@@ -73,7 +75,7 @@ def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: i
     return RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed)
 
 
-def _open_session(model, ctx, threads, kv_type, centroid_block=16):
+def _open_session(model, ctx, threads, kv_type, centroid_block=CENTROID_BLOCK):
     from kvlocal.progress import StatusLine, download_text
     from kvlocal.session import Session
 
@@ -137,7 +139,7 @@ def ask(
     window: WindowOpt = 128,
     sinks: SinksOpt = 64,
     seed: SeedOpt = 0,
-    centroid_block: CentroidBlockOpt = 16,
+    centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
@@ -276,7 +278,7 @@ def eval_(
     region: RegionOpt = 64,
     window: WindowOpt = 128,
     sinks: SinksOpt = 64,
-    centroid_block: CentroidBlockOpt = 16,
+    centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
@@ -334,7 +336,7 @@ def bench(
     region: RegionOpt = 64,
     window: WindowOpt = 128,
     sinks: SinksOpt = 64,
-    centroid_block: CentroidBlockOpt = 16,
+    centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
 ) -> None:

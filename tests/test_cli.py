@@ -165,6 +165,13 @@ def test_ask_does_not_import_textual(cache_dir, doc, tiny_model):
     assert out.stdout.strip() == "False"
 
 
+def test_cli_centroid_block_default_is_the_sessions():
+    from kvlocal import cli
+    from kvlocal.routing import DEFAULT_CENTROID_BLOCK
+
+    assert cli.CENTROID_BLOCK == DEFAULT_CENTROID_BLOCK
+
+
 def test_bench_reports_speed_ttft_and_upkeep(cache_dir, tiny_model, tmp_path):
     out = tmp_path / "bench.json"
     result = run("bench", "--model", str(tiny_model), "--lengths", "2k", "--tokens", "4", "--top-k", "2",
