@@ -16,6 +16,7 @@ returned by llama_kvlocal_build_id(); kvlocal compares it with the repository's 
 
 Usage: python vendor/build_engine.py [--backend cpu|cuda|metal] [--cuda-arch 90]
        [--jobs N] [--tests] [--tests-only] [--compile-check] [--prepare-only] [--print-id]
+       [--make-pack FILE | --from-pack FILE]
 """
 
 from __future__ import annotations
@@ -99,6 +100,83 @@ def unpack(sdist: Path, pin: dict[str, str]) -> Path:
     return tree
 
 
+# A pack is the patched source tree without what a build never reads (llama.cpp's vocab models,
+# docs, tools, examples, all tests but test-backend-ops, built libraries; ggml stays whole), for a machine that
+# reaches no package registry: the 76.6 MB sdist becomes a few MB. Its manifest names the sdist
+# it came from and the patch set it carries; building from it checks that set against patches/.
+PACK_MANIFEST = ".kvlocal-pack.json"
+PACK_DROP = (
+    "docs", "docker", "examples", "tests", "scripts", "llama_cpp/lib",
+    "vendor/llama.cpp/models", "vendor/llama.cpp/docs", "vendor/llama.cpp/tools", "vendor/llama.cpp/media",
+    "vendor/llama.cpp/benches", "vendor/llama.cpp/examples", "vendor/llama.cpp/gguf-py",
+    "vendor/llama.cpp/scripts", "vendor/llama.cpp/conversion", "vendor/llama.cpp/.github",
+    "vendor/llama.cpp/.devops",
+)
+PACK_KEEP = ("vendor/llama.cpp/tests/test-backend-ops.cpp",)
+
+
+def pack_make(tree: Path, pin: dict[str, str], set_id: str, out: Path) -> None:
+    """Write the patched tree, trimmed, as a .tar.gz with a manifest."""
+    import io
+    import json
+
+    def keep(rel: str) -> bool:
+        if any(part.startswith(".git") for part in rel.split("/")):
+            return False  # a developer's git data (.git, .github, .gitmodules)
+        if rel in PACK_KEEP:
+            return True
+        if rel == "vendor/llama.cpp/tests":
+            return True  # the folder itself, for the one file kept in it
+        if rel.startswith("vendor/llama.cpp/tests/"):
+            return False
+        return not any(rel == d or rel.startswith(d + "/") for d in PACK_DROP)
+
+    manifest = {
+        "sdist": f"llama_cpp_python-{pin['version']}.tar.gz", "sdist_sha256": pin["sha256"],
+        "patchset": set_id, "patches": [p.name for p in patch_files()],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".part")
+    root = f"kvlocal-engine-{set_id}"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for path in sorted(tree.rglob("*")):
+            rel = path.relative_to(tree).as_posix()
+            if path.is_file() and not path.is_symlink() and keep(rel):
+                tar.add(path, arcname=f"{root}/{rel}", recursive=False)
+        data = json.dumps(manifest, indent=2).encode()
+        info = tarfile.TarInfo(f"{root}/{PACK_MANIFEST}")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    tmp.replace(out)
+    say(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): patch set {set_id}, from {manifest['sdist']}")
+
+
+def pack_unpack(pack: Path) -> tuple[Path, str]:
+    """Unpack a pack under vendor/src/ (once per patch set) and check it carries patches/."""
+    import json
+
+    if not pack.is_file():
+        die(f"no pack at {pack} (make one with --make-pack on a machine that reaches the registry)")
+    want = patchset_id(patch_files())
+    try:
+        with tarfile.open(pack) as tar:
+            root = tar.getnames()[0].split("/", 1)[0]
+            manifest = json.load(tar.extractfile(f"{root}/{PACK_MANIFEST}"))
+    except (tarfile.TarError, IndexError, KeyError, ValueError) as err:
+        die(f"{pack} is not a kvlocal engine pack ({err})")
+    if manifest.get("patchset") != want:
+        die(f"{pack} carries patch set {manifest.get('patchset')}, but patches/ is {want}; make a new pack")
+    tree = SRC / root
+    if not (tree / PACK_MANIFEST).exists():  # the manifest is the pack's last member: its presence means complete
+        SRC.mkdir(parents=True, exist_ok=True)
+        say(f"unpacking {pack.name} into {tree}")
+        with tarfile.open(pack) as tar:
+            tar.extractall(SRC, filter="data")
+    say(f"building from pack {pack.name}: {manifest['sdist']} (sha256 {manifest['sdist_sha256'][:12]}…) "
+        f"+ patch set {want}")
+    return tree, want
+
+
 def run_patch(llama_dir: Path, patch: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-r", "-", "-s", *extra, "-i", str(patch)],
@@ -160,7 +238,8 @@ def cmake_args(backend: str, cuda_arch: str | None, set_id: str) -> list[str]:
 
 
 def install(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: str) -> None:
-    build_dir = BUILD / backend
+    # one persistent build directory per source tree (CMake ties a build directory to its source)
+    build_dir = BUILD / (backend if tree.parent == SRC and tree.name.startswith("llama_cpp_python-") else f"{backend}-pack")
     build_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.pop("CMAKE_ARGS", None)
@@ -276,17 +355,38 @@ def main() -> None:
     parser.add_argument("--compile-check", action="store_true",
                         help="with --backend cuda: configure and compile the objects the routed graph needs "
                              "(no GPU needed, no install)")
+    parser.add_argument("--make-pack", type=Path, metavar="FILE",
+                        help="write the patched source, trimmed to what a build reads, as FILE (.tar.gz) for a "
+                             "machine without the package registry, and exit")
+    parser.add_argument("--from-pack", type=Path, metavar="FILE",
+                        help="build from such a pack instead of the registry's sdist (its patch set must match)")
     args = parser.parse_args()
+    if args.make_pack and args.from_pack:
+        parser.error("--make-pack and --from-pack exclude each other")
 
     if args.print_id:
         print(patchset_id(patch_files()))
         return
-    for tool in ("patch",):
+    for tool in () if args.from_pack else ("patch",):
         if shutil.which(tool) is None:
             die(f"'{tool}' is required (apt-get install {tool})")
     pin = read_pin()
-    tree = unpack(fetch_sdist(pin), pin)
-    set_id = apply_patches(tree)
+    if args.make_pack:
+        # from a fresh copy of the verified sdist, so that nothing but patches/ reaches the pack
+        import tempfile
+
+        sdist = fetch_sdist(pin)
+        with tempfile.TemporaryDirectory(prefix="kvlocal-pack-") as tmp:
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            tree = Path(tmp) / f"llama_cpp_python-{pin['version']}"
+            pack_make(tree, pin, apply_patches(tree), args.make_pack.resolve())
+        return
+    if args.from_pack:
+        tree, set_id = pack_unpack(args.from_pack.resolve())
+    else:
+        tree = unpack(fetch_sdist(pin), pin)
+        set_id = apply_patches(tree)
     if args.prepare_only:
         say(f"patched tree ready: {tree}")
         return
