@@ -116,18 +116,44 @@ def write_tiny_olmo2_swa(
     return _write_tiny(path, "olmo2", n_layer=n_layer, n_swa=n_swa, swa_pattern=swa_pattern, **hparams)
 
 
+# The shapes of Qwen2.5's 0.5B and 1.5B (their config.json), for timing decode at real sizes
+# on random weights where the real model cannot be had (a GPU machine without a registry).
+QWEN25_SHAPES = {
+    "0.5b": dict(n_layer=24, n_embd=896, n_head=14, n_head_kv=2, n_ff=4864, n_vocab=151936, n_ctx=32768),
+    "1.5b": dict(n_layer=28, n_embd=1536, n_head=12, n_head_kv=2, n_ff=8960, n_vocab=151936, n_ctx=32768),
+}
+
+
+def write_qwen2_shaped(path: str | os.PathLike[str], shape: str = "1.5b", *, dtype: str = "f16", seed: int = 0) -> Path:
+    """A random-weight qwen2 GGUF with the shapes of a real Qwen2.5 (`QWEN25_SHAPES`): the tiny
+    vocabulary padded with unused tokens to the real size, output tied to the embeddings as in
+    Qwen2.5, matrices in `dtype` (f16 or f32)."""
+    return _write_tiny(path, "qwen2", **QWEN25_SHAPES[shape], dtype=dtype, seed=seed, tied=True)
+
+
 def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
-                n_ff: int = 128, n_ctx: int = 4096, seed: int = 0, n_swa: int = 0, swa_pattern: int = 0) -> Path:
+                n_ff: int = 128, n_ctx: int = 4096, seed: int = 0, n_swa: int = 0, swa_pattern: int = 0,
+                n_vocab: int = 0, dtype: str = "f32", tied: bool = False) -> Path:
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
+    if dtype not in ("f32", "f16"):
+        raise ValueError(f"dtype must be f32 or f16, not {dtype!r}")
     path = Path(path)
     tokens, types, merges = tiny_vocab()
+    n_pad = max(0, n_vocab - len(tokens))
+    if n_pad:  # unused filler ids before the control tokens, as in Qwen2.5's vocabulary
+        n_plain = len(tokens) - len(SPECIAL_TOKENS)
+        tokens = tokens[:n_plain] + [f"<|kvlocal_unused_{i}|>" for i in range(n_pad)] + tokens[n_plain:]
+        types = types[:n_plain] + [int(TokenType.UNUSED)] * n_pad + types[n_plain:]
     n_vocab = len(tokens)
     n_embd_kv = n_embd // n_head * n_head_kv
     rng = np.random.default_rng(seed)
 
     def rand(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        if dtype == "f32":  # the tiny models' stream, unchanged
+            return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        values = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        return values.astype(np.float16) if len(shape) > 1 else values  # 1-D (biases) stay F32
 
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
@@ -135,8 +161,9 @@ def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int 
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": rand(n_vocab, n_embd),
         "output_norm.weight": ones(n_embd),
-        "output.weight": rand(n_vocab, n_embd),
     }
+    if not tied:  # a tied model reads the output matrix from token_embd
+        tensors["output.weight"] = rand(n_vocab, n_embd)
     for i in range(n_layer):
         tensors |= {
             f"blk.{i}.attn_q.weight": rand(n_embd, n_embd),
@@ -168,7 +195,7 @@ def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int 
     writer = GGUFWriter(str(path), arch)
     writer.add_type("model")
     writer.add_name(f"kvlocal tiny {arch} (random weights)")
-    writer.add_file_type(LlamaFileType.ALL_F32)
+    writer.add_file_type(LlamaFileType.MOSTLY_F16 if dtype == "f16" else LlamaFileType.ALL_F32)
     writer.add_context_length(n_ctx)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(n_layer)
@@ -217,3 +244,26 @@ def make_tiny_model(directory: str | os.PathLike[str]) -> Path:
         write_tiny_qwen2(tmp)
         os.replace(tmp, path)
     return path
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a random-weight qwen2 GGUF with a real Qwen2.5's shapes.")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shape", choices=[*sorted(QWEN25_SHAPES), "tiny"], default="1.5b",
+                        help="tiny: the tests' tiny qwen2 with a 32k context (for rehearsals)")
+    parser.add_argument("--dtype", choices=["f16", "f32"], default="f16")
+    args = parser.parse_args()
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    if args.shape == "tiny":
+        write_tiny_qwen2(tmp, n_ctx=32768)
+    else:
+        write_qwen2_shaped(tmp, args.shape, dtype=args.dtype)
+    os.replace(tmp, args.out)
+    print(f"{args.out}: random qwen2, shape {args.shape}, "
+          f"{args.out.stat().st_size / 1e9:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()
