@@ -7,7 +7,7 @@ JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
 ENGINE_STAMP := $(VENV)/.engine-$(BACKEND)-$(shell $(PY) vendor/build_engine.py --print-id 2>/dev/null)
 BACKEND_OPS  := vendor/build/tests-cpu/test-backend-ops
 
-.PHONY: setup demo test test-fast engine backend-ops wheelhouse clean
+.PHONY: setup demo test test-fast engine backend-ops device-pack clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,11 +42,10 @@ test: setup backend-ops
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not model"
 
-# everything .ci/gpu-check installs, for a GPU machine that reaches no registry
-wheelhouse: $(VENV)/.deps
-	mkdir -p wheelhouse
-	$(BIN)/pip download -q -d wheelhouse scikit-build-core ninja cmake diskcache jinja2 typing-extensions '.[test]'
-	cp vendor/downloads/llama_cpp_python-*.tar.gz wheelhouse/
+# what .ci/gpu-check needs on a GPU machine that reaches no registry: the patched engine source,
+# trimmed (about 6 MB), and wheels for Python 3.12 (see .ci/device-pack)
+device-pack: $(VENV)/.deps
+	PY=$(BIN)/python .ci/device-pack
 
 clean:
 	rm -rf $(VENV) vendor/build vendor/src

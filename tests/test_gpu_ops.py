@@ -177,7 +177,9 @@ def test_top_k_rows_stay_within_the_cuda_limit_at_the_trained_context():
 
 def _vendored_ggml() -> Path | None:
     root = Path(__file__).resolve().parent.parent / "vendor" / "src"
-    hits = sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp/ggml/src"))
+    # the unpacked sdist, or an engine pack (vendor/build_engine.py --from-pack)
+    hits = sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp/ggml/src")) + sorted(
+        root.glob("kvlocal-engine-*/vendor/llama.cpp/ggml/src"))
     return hits[0] if hits else None
 
 
