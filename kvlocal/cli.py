@@ -259,6 +259,22 @@ def _ints(text: str) -> list[int]:
         raise UsageError(f"expected a comma-separated list of numbers, got {text!r}") from None
 
 
+MIN_EVAL_LENGTH = 2048  # room for the needles of 11 depths, the question and the answer
+
+
+def _lengths(text: str) -> list[int]:
+    from kvlocal.errors import UsageError
+
+    lengths = _ints(text)
+    if not lengths:
+        raise UsageError("--lengths names no context length")
+    short = [n for n in lengths if n < MIN_EVAL_LENGTH]
+    if short:
+        raise UsageError(f"context lengths must be at least 2k (the haystack needs room for its needles, "
+                         f"the question and the answer), got {', '.join(map(str, short))}")
+    return lengths
+
+
 @app.command("eval")
 @handles_errors
 def eval_(
@@ -296,7 +312,7 @@ def eval_(
         lengths, depths, tasks, top_k = "2k", 2, "passkey", 4
     n = max(depths, 2)
     config = GridConfig(
-        lengths=_ints(lengths), depths=[round(i / (n - 1), 3) for i in range(n)] if not quick else [0.25, 0.5],
+        lengths=_lengths(lengths), depths=[round(i / (n - 1), 3) for i in range(n)] if not quick else [0.25, 0.5],
         tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=[m.strip() for m in modes.split(",")],
         seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks, sweep=_ints(sweep),
         max_tokens=max_tokens,
@@ -348,9 +364,10 @@ def bench(
     from kvlocal.progress import human_bytes
 
     route = _route("geometric", top_k, region, window, sinks, 0)
+    context_lengths = _lengths(lengths)
     session = _open_session(model, None, threads, "f16", centroid_block)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
-    results = b.bench_lengths(session, _ints(lengths), route, n_tokens=tokens, log=log)
+    results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log)
     small = make_case(session, "passkey", 4096, [0.5], 1)
     ttft = b.time_to_first_token(session, small.text, route, small.probes[0].question)
     report = {

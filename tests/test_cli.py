@@ -172,6 +172,13 @@ def test_cli_centroid_block_default_is_the_sessions():
     assert cli.CENTROID_BLOCK == DEFAULT_CENTROID_BLOCK
 
 
+@pytest.mark.parametrize("command", ["bench", "eval"])
+def test_too_short_context_is_a_usage_error(cache_dir, tiny_model, command):
+    result = run(command, "--model", str(tiny_model), "--lengths", "1k")
+    assert result.exit_code == 2, result.stderr
+    assert "at least 2k" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_bench_reports_speed_ttft_and_upkeep(cache_dir, tiny_model, tmp_path):
     out = tmp_path / "bench.json"
     result = run("bench", "--model", str(tiny_model), "--lengths", "2k", "--tokens", "4", "--top-k", "2",

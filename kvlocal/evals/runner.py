@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvlocal.errors import UsageError
 from kvlocal.evals.tasks import Case, build_case, score
 from kvlocal.routing import DEFAULT_CENTROID_BLOCK, RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
@@ -53,7 +54,10 @@ class GridConfig:
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
     """The haystack for a context of `length` tokens (room left for the template, question and answer)."""
     count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
-    return build_case(task, length - ANSWER_RESERVE - 256, depths, seed=seed, count_tokens=count, filler=filler)
+    try:
+        return build_case(task, length - ANSWER_RESERVE - 256, depths, seed=seed, count_tokens=count, filler=filler)
+    except ValueError as err:  # the needles do not fit
+        raise UsageError(f"a {length}-token context is too short for {task} at {len(depths)} depths: {err}") from None
 
 
 def row_key(row: dict) -> tuple:
