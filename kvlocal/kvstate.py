@@ -126,12 +126,16 @@ def load_state(key: StateKey, root: Path | None = None) -> tuple[np.ndarray, byt
         header = _read_header(fh)
         if header.get("key") != asdict(key):
             raise StateCacheError("its key does not match this document, model and engine")
-        n_tokens, state_len = int(header["n_tokens"]), int(header["state_len"])
-        tokens = np.frombuffer(fh.read(4 * n_tokens), dtype="<i4")
+        try:
+            n_tokens, state_len = int(header["n_tokens"]), int(header["state_len"])
+        except (KeyError, TypeError, ValueError):
+            raise StateCacheError("damaged header") from None
+        raw_tokens = fh.read(4 * n_tokens)
         state = fh.read(state_len)
         extra = fh.read(1)
-    if tokens.size != n_tokens or len(state) != state_len or extra:
+    if len(raw_tokens) != 4 * n_tokens or len(state) != state_len or extra:
         raise StateCacheError("the file is truncated or has trailing bytes")
+    tokens = np.frombuffer(raw_tokens, dtype="<i4")
     if _body_digest(tokens, state) != header["sha256"]:
         raise StateCacheError("its checksum does not match (the file is damaged)")
     return tokens.astype(np.int32), state
