@@ -40,6 +40,10 @@ def handles_errors(fn):
         except KeyboardInterrupt:
             err("\nkvlocal: interrupted")
             raise typer.Exit(130) from None
+        except OSError as e:  # a file or folder kvlocal had to write or read (cache dir, --out)
+            where = f": {e.filename}" if e.filename else ""
+            err(f"kvlocal: error: {e.strerror or e}{where}")
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -52,7 +56,7 @@ ModelOpt = Annotated[
 CtxOpt = Annotated[
     Optional[int], typer.Option("--ctx", help="Context size in tokens (default: fit the document; max: the model's).")
 ]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: all cores).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, max=256, help="CPU threads (default: all cores).")]
 KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")]
 RouteOpt = Annotated[
     str, typer.Option("--route", help="geometric (routed), full (dense), window or random (controls).")
@@ -66,13 +70,50 @@ CENTROID_BLOCK = 16
 CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", help="Tokens per key centroid (16-256); a region is scored from region/block centroids, "
     "so a larger block reads fewer centroid bytes.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for random routing and sampling.")]
+SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=2**32 - 1, help="Seed for random routing and sampling.")]
 
 
-def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int):
+def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0):
+    from kvlocal.errors import UsageError
     from kvlocal.routing import RouteConfig
 
-    return RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed)
+    config = RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed)
+    if centroid_block and region % centroid_block:
+        raise UsageError(f"--region {region} must be a multiple of --centroid-block {centroid_block}")
+    return config
+
+
+def _check_out_file(path: Path) -> None:
+    """A file the command writes at its end: refuse a bad path before any work is done."""
+    from kvlocal.errors import UsageError
+
+    if path.is_dir():
+        raise UsageError(f"--out {path} is a folder; give a file name")
+    if not path.parent.is_dir():
+        raise UsageError(f"--out {path}: the folder {path.parent} does not exist")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _check_lengths_fit(session, lengths: list[int]) -> None:
+    from kvlocal.errors import UsageError
+
+    too_long = [n for n in lengths if n > session.trained_ctx]
+    if too_long:
+        raise UsageError(f"context lengths {', '.join(map(str, too_long))} exceed the model's trained context "
+                         f"{session.trained_ctx}")
 
 
 def _open_session(model, ctx, threads, kv_type, centroid_block=CENTROID_BLOCK):
@@ -143,9 +184,14 @@ def ask(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
+    from kvlocal.errors import UsageError
     from kvlocal.ingest import load_document
+    from kvlocal.session import check_sampling
 
-    route_cfg = _route(route, top_k, region, window, sinks, seed)
+    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block)
+    check_sampling(max_tokens, temperature, seed)
+    if not question.strip():
+        raise UsageError("the question is empty")
     doc = load_document(document)
     session = _open_session(model, ctx, threads, kv_type, centroid_block)
     _load(session, doc.text, doc.source, not no_cache)
@@ -163,12 +209,13 @@ def demo(
     from kvlocal import paths
     from kvlocal.sample import SAMPLE_QUESTION, write_sample
 
+    route_cfg = _route(route, 8, 64, 128, 64, 0)
     path = write_sample(paths.cache_root() / "sample" / "halvard-ridge-report.txt")
     err(f"kvlocal: sample document {path}")
     err(f"kvlocal: question: {SAMPLE_QUESTION}")
     session = _open_session(model, None, threads, "f16")
     _load(session, path.read_text(), str(path), True)
-    _stream_answer(session, SAMPLE_QUESTION, route=_route(route, 8, 64, 128, 64, 0), max_tokens=64)
+    _stream_answer(session, SAMPLE_QUESTION, route=route_cfg, max_tokens=64)
 
 
 @app.command()
@@ -295,14 +342,16 @@ def eval_(
     window: WindowOpt = 128,
     sinks: SinksOpt = 64,
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Most answer tokens per probe (default: by task).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
 
     Results are appended to OUT/results.jsonl as they come (a rerun resumes); the markdown table goes to stdout.
     """
+    from kvlocal.errors import UsageError
     from kvlocal.evals import report
     from kvlocal.evals.runner import GridConfig, run_grid
+    from kvlocal.evals.tasks import TASKS
     from kvlocal.ingest import load_document
 
     if quick:
@@ -318,9 +367,20 @@ def eval_(
         max_tokens=max_tokens,
     )
     for mode in config.modes:
-        _route(mode, top_k, region, window, sinks, 0)  # validates
+        _route(mode, top_k, region, window, sinks, 0, centroid_block)  # validates
+    unknown = [t for t in config.tasks if t not in TASKS]
+    if unknown or not config.tasks:
+        raise UsageError(f"--tasks: {', '.join(unknown) or 'none given'}; choose from {', '.join(TASKS)}")
+    if not config.seeds:
+        raise UsageError("--seeds names no seed")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder")
+    for name in ("results.jsonl", "summary.json"):
+        if (out / name).is_dir():
+            raise UsageError(f"--out {out}: {name} there is a folder")
     filler = load_document(haystack).text if haystack else None
     session = _open_session(model, None, threads, "f16", centroid_block)
+    _check_lengths_fit(session, config.lengths)
     rows = run_grid(session, config, out / "results.jsonl", filler=filler,
                     haystack_name=str(haystack or ""), log=lambda line: err(f"kvlocal: {line}"))
     summary = report.summarize([r for r in rows if r["length"] in config.lengths and r["task"] in config.tasks])
@@ -345,7 +405,7 @@ def eval_(
 @handles_errors
 def bench(
     lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k.")] = "8k,16k,32k",
-    tokens: Annotated[int, typer.Option("--tokens", help="Answer tokens timed per run.")] = 48,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Answer tokens timed per run.")] = 48,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     top_k: TopKOpt = 8,
@@ -363,9 +423,12 @@ def bench(
     from kvlocal.evals.runner import make_case
     from kvlocal.progress import human_bytes
 
-    route = _route("geometric", top_k, region, window, sinks, 0)
+    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block)
     context_lengths = _lengths(lengths)
+    if out:
+        _check_out_file(out)
     session = _open_session(model, None, threads, "f16", centroid_block)
+    _check_lengths_fit(session, context_lengths)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log)
     small = make_case(session, "passkey", 4096, [0.5], 1)
@@ -396,7 +459,7 @@ def bench(
         u = report["centroid_upkeep"]
         print(f"centroid upkeep: prefill {u['with_s']:.1f} s with vs {u['without_s']:.1f} s without = {u['share']:.1%} of prefill")
     if out:
-        out.write_text(json.dumps(report, indent=2))
+        _write_atomic(out, json.dumps(report, indent=2))
 
 
 def version_callback(value: bool) -> None:

@@ -75,7 +75,7 @@ def load_summary(result: LoadResult) -> str:
     if result.cache_hit:
         how = f"loaded saved KV state in {result.seconds:.1f} s (cache hit, no prefill)"
     else:
-        how = f"prefilled in {result.seconds:.1f} s ({result.rate:,.0f} tok/s), state saved"
+        how = f"prefilled in {result.seconds:.1f} s ({result.rate:,.0f} tok/s)" + (", state saved" if result.saved else "")
     return f"document: {result.n_tokens:,} tokens, context {result.n_ctx:,}; {how}"
 
 
@@ -93,4 +93,6 @@ def answer_summary(s: AnswerSummary) -> str:
         )
     if s.fallback:
         lines.append(f"note: routing fell back to dense attention: {s.fallback}")
+    if s.context_full:
+        lines.append("note: the answer stopped because the context is full (--ctx sets a larger one)")
     return "\n".join(lines)

@@ -56,6 +56,8 @@ class RouteConfig:
             raise UsageError(f"--region must be a power of two that divides 256 (got {self.region})")
         if self.top_k < 0 or self.window < 0 or self.sinks < 0:
             raise UsageError("--top-k, --window and --sinks must not be negative")
+        if not 0 <= self.seed < 2**32:
+            raise UsageError(f"--seed must be between 0 and {2**32 - 1} (got {self.seed})")
 
     @property
     def route_mode(self) -> RouteMode:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import hashlib
+import math
 import os
 import threading
 import time
@@ -58,7 +59,8 @@ class LoadResult:
     n_ctx: int
     cache_hit: bool
     seconds: float
-    rebuilt_reason: str | None = None  # why a saved state was discarded
+    rebuilt_reason: str | None = None  # why a saved state was discarded (or could not be saved)
+    saved: bool = False  # the prefilled state was written to the cache
 
     @property
     def rate(self) -> float:
@@ -89,6 +91,7 @@ class AnswerSummary:
     steps: int = 0
     fallback: str = ""
     region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> times read
+    context_full: bool = False  # the answer stopped because the context had no room left
 
     @property
     def decode_rate(self) -> float:
@@ -113,6 +116,10 @@ class AnswerSummary:
                 self.region_reads[key] = self.region_reads.get(key, 0) + 1
 
 
+MAX_TEMPERATURE = 10.0
+MAX_THREADS = 256  # llama.cpp's thread pool; far more than any core count we target
+
+
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
@@ -135,6 +142,8 @@ class Session:
             raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
         if centroid_block not in CENTROID_BLOCKS and centroid_block != 0:  # 0: no centroids, every step dense
             raise UsageError(f"--centroid-block must be one of {', '.join(map(str, CENTROID_BLOCKS))} (got {centroid_block})")
+        if threads is not None and not 1 <= threads <= MAX_THREADS:
+            raise UsageError(f"--threads must be between 1 and {MAX_THREADS} (got {threads})")
         self.engine = require_patched()
         self.model: ResolvedModel = resolve_model(model, progress=model_progress)
         self.kv_type = kv_type
@@ -259,9 +268,13 @@ class Session:
                 kvstate.discard(key)
         self._prefill(tokens, progress, cancel)
         seconds = time.perf_counter() - start
+        saved_to = None
         if use_cache:
-            kvstate.save_state(key, np.array(tokens, np.int32), self._get_state(), label=label)
-        return LoadResult(len(tokens), n_ctx, False, seconds, rebuilt)
+            try:
+                saved_to = kvstate.save_state(key, np.array(tokens, np.int32), self._get_state(), label=label)
+            except OSError as err:  # a full disk or an unusable cache dir: the prefilled context still works
+                rebuilt = f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
+        return LoadResult(len(tokens), n_ctx, False, seconds, rebuilt, saved=saved_to is not None)
 
     def _prefill(
         self,
@@ -364,6 +377,7 @@ class Session:
             raise UsageError("no document is loaded")
         if not question.strip():
             raise UsageError("the question is empty")
+        check_sampling(max_tokens, temperature, seed)
         route = route or RouteConfig()
         if self.centroid_block and route.region % self.centroid_block:
             raise UsageError(f"--region {route.region} must be a multiple of the centroid block {self.centroid_block}")
@@ -375,6 +389,7 @@ class Session:
             room = self.llm.n_ctx() - self.n_prefix - len(q_tokens)
             if room < 1:
                 raise ContextOverflowError("the question does not fit in the context left after the document")
+            capped = room < max_tokens
             max_tokens = min(max_tokens, room)
             summary = AnswerSummary("", len(q_tokens), 0, 0.0, route)
             for token in q_tokens:
@@ -413,6 +428,7 @@ class Session:
                 yield AnswerPiece(tail, -1, None)
             summary.decode_seconds = time.perf_counter() - start
             summary.text = "".join(pieces)
+            summary.context_full = capped and summary.n_answer_tokens == max_tokens
             yield summary
 
     def answer(self, question: str, **kwargs) -> AnswerSummary:
@@ -432,6 +448,16 @@ class Session:
     def close(self) -> None:
         self.llm = None
         self._vocab_llm = None
+
+
+def check_sampling(max_tokens: int, temperature: float, seed: int) -> None:
+    """UsageError unless the answer settings make sense (checked before any work is done)."""
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1 (got {max_tokens})")
+    if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        raise UsageError(f"--temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g} (got {temperature})")
+    if not 0 <= seed < 2**32:
+        raise UsageError(f"--seed must be between 0 and {2**32 - 1} (got {seed})")
 
 
 def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:

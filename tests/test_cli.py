@@ -128,6 +128,94 @@ def test_usage_errors_exit_2(cache_dir, doc, tiny_model):
     assert ask(doc, tiny_model, "--kv-type", "q3").exit_code == 2
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--threads", "0"], "--threads"),
+        (["--threads", "100000"], "--threads"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--seed", "-1"], "--seed"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--centroid-block", "128", "--region", "64"], "multiple of --centroid-block"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_work(cache_dir, doc, tiny_model, extra, message):
+    result = ask(doc, tiny_model, *extra)
+    assert result.exit_code == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert "prefilled" not in result.stderr and not kvstate.list_entries()
+
+
+def test_an_answer_cut_by_a_full_context_says_so(cache_dir, doc, tiny_model):
+    result = run("ask", str(doc), "What did post 7 read?", "--model", str(tiny_model), "--max-tokens", "100000")
+    assert result.exit_code == 0, result.stderr
+    assert "the context is full" in result.stderr
+    assert "the context is full" not in ask(doc, tiny_model).stderr  # 4 tokens fit
+
+
+def test_empty_model_name_is_a_usage_error(cache_dir, doc):
+    result = run("ask", str(doc), "q?", "--model", "")
+    assert result.exit_code == 2 and "--model is empty" in result.stderr
+
+
+def test_empty_question_is_refused_before_the_prefill(cache_dir, doc, tiny_model):
+    result = run("ask", str(doc), "  ", "--model", str(tiny_model))
+    assert result.exit_code == 2 and "question is empty" in result.stderr and "prefilled" not in result.stderr
+
+
+def test_truncated_cache_entry_is_rebuilt(cache_dir, doc, tiny_model):
+    assert ask(doc, tiny_model).exit_code == 0
+    [entry] = kvstate.list_entries()
+    data = entry.path.read_bytes()
+    for keep in (1000, 5001):  # inside the token list, at odd and even offsets
+        entry.path.write_bytes(data[:keep])
+        result = ask(doc, tiny_model)
+        assert result.exit_code == 0, result.stderr
+        assert "truncated" in result.stderr and "prefilled in" in result.stderr
+        data = kvstate.list_entries()[0].path.read_bytes()
+    assert "cache hit" in ask(doc, tiny_model).stderr
+
+
+def test_an_unusable_cache_dir_does_not_lose_the_answer(tmp_path, monkeypatch, doc, tiny_model):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(blocker))
+    result = ask(doc, tiny_model)
+    assert result.exit_code == 0, result.stderr
+    assert "could not save the KV state" in result.stderr and "state saved" not in result.stderr
+    assert result.stdout.strip()  # the answer still came
+
+
+def test_eval_refuses_bad_tasks_and_outputs_before_loading(cache_dir, tiny_model, tmp_path):
+    a_file = tmp_path / "a.txt"
+    a_file.write_text("x")
+    for args, message in [
+        (["--tasks", "bogus"], "choose from passkey"),
+        (["--tasks", ""], "none given"),
+        (["--seeds", ""], "--seeds"),
+        (["--out", str(a_file)], "is a file"),
+    ]:
+        result = run("eval", "--model", str(tiny_model), "--lengths", "2k", "--depths", "2", *args)
+        assert result.exit_code == 2, (args, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_lengths_beyond_the_model_context_are_refused(cache_dir, tiny_model, tmp_path):
+    # the tiny model's trained context is 4096 tokens
+    for command in ("eval", "bench"):
+        result = run(command, "--model", str(tiny_model), "--lengths", "8k", "--out", str(tmp_path / f"{command}.out"))
+        assert result.exit_code == 2, result.stderr
+        assert "exceed the model's trained context" in result.stderr
+
+
+def test_bench_refuses_a_bad_out_path_before_running(cache_dir, tiny_model, tmp_path):
+    for out, message in [(tmp_path, "is a folder"), (tmp_path / "no" / "b.json", "does not exist")]:
+        result = run("bench", "--model", str(tiny_model), "--lengths", "2k", "--out", str(out))
+        assert result.exit_code == 2, result.stderr
+        assert message in result.stderr and "prefilled" not in result.stderr
+
+
 def test_document_longer_than_context(cache_dir, tmp_path, tiny_model):
     path = tmp_path / "long.txt"
     path.write_text(DOC * 12)

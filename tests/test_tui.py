@@ -64,7 +64,7 @@ class FakeSession:
                 cancel.wait(timeout=30)
         self.tokens, self.n_prefix = words, n
         self.saved.add(text)
-        return LoadResult(n, n_ctx, False, 0.5)
+        return LoadResult(n, n_ctx, False, 0.5, saved=True)
 
     def span_text(self, start: int, end: int) -> str:
         return " ".join(self.tokens[start:end])

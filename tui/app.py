@@ -251,6 +251,7 @@ class KvlocalApp(App[None]):
             cache_hit=result.cache_hit,
             seconds=result.seconds,
             rebuilt_reason=result.rebuilt_reason,
+            saved=result.saved,
         )
         self.post_message(DocumentLoaded(loaded))
 
@@ -312,7 +313,7 @@ class KvlocalApp(App[None]):
             detail = "cache hit: restored the saved KV state"
             toast = f"{detail} in {doc.seconds:.1f} s"
         else:
-            detail = "prefilled; KV state saved"
+            detail = "prefilled; KV state saved" if doc.saved else "prefilled; KV state not saved"
             toast = f"prefilled in {human_seconds(doc.seconds)} ({doc.n_tokens / max(doc.seconds, 1e-9):,.0f} tok/s)"
         self.log_widget.add_notice(f"Loaded {doc.name}: {doc.n_tokens:,} tokens, context {doc.n_ctx:,} ({detail}).")
         if doc.rebuilt_reason:

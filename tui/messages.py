@@ -62,6 +62,7 @@ class LoadedDocument:
     cache_hit: bool
     seconds: float
     rebuilt_reason: str | None = None
+    saved: bool = True  # the prefilled state went to the cache
 
     @property
     def name(self) -> str:

@@ -83,7 +83,9 @@ def sweep(rows: list[dict]) -> list[dict]:
 
 
 def markdown(summary: dict) -> str:
-    lines = [f"Routing budget: top-{summary['main_top_k']} regions (controls at the same budget)", "",
+    budget = (f"Routing budget: top-{summary['main_top_k']} regions (controls at the same budget)"
+              if summary["main_top_k"] is not None else "Routing budget: no window/random controls in these rows")
+    lines = [budget, "",
              "| length | task | mode | n | accuracy | acc. outside window | KV bytes reduction | centroid share "
              "| decode tok/s |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|"]

@@ -57,12 +57,17 @@ def make_case(session: Session, task: str, length: int, depths, seed: int, fille
     try:
         return build_case(task, length - ANSWER_RESERVE - 256, depths, seed=seed, count_tokens=count, filler=filler)
     except ValueError as err:  # the needles do not fit
-        raise UsageError(f"a {length}-token context is too short for {task} at {len(depths)} depths: {err}") from None
+        raise UsageError(f"cannot build a {length}-token {task} haystack with {len(depths)} depths: {err}") from None
+
+
+def answer_tokens(config: GridConfig, task: str) -> int:
+    return config.max_tokens or ANSWER_TOKENS.get(task, 48)
 
 
 def row_key(row: dict) -> tuple:
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
-            row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", DEFAULT_CENTROID_BLOCK))
+            row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", DEFAULT_CENTROID_BLOCK),
+            row.get("max_tokens", ANSWER_TOKENS.get(row["task"], 48)))  # older rows ran at the task's default
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -71,9 +76,11 @@ def load_rows(path: Path) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by an interrupt
+            row = json.loads(line)
+            row_key(row)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by an interrupt, or not one of our rows
+        rows.append(row)
     return rows
 
 
@@ -104,7 +111,8 @@ def run_grid(
                     (i, probe, route)
                     for i, probe in enumerate(case.probes)
                     for route in config.routes()
-                    if _key(length, task, seed, i, route, haystack_name, session.centroid_block) not in done
+                    if _key(length, task, seed, i, route, haystack_name, session.centroid_block,
+                            answer_tokens(config, task)) not in done
                 ]
                 if not todo:
                     continue
@@ -122,9 +130,9 @@ def run_grid(
     return rows
 
 
-def _key(length, task, seed, probe_index, route, haystack_name, centroid_block) -> tuple:
+def _key(length, task, seed, probe_index, route, haystack_name, centroid_block, max_tokens) -> tuple:
     return (length, task, seed, probe_index, route.mode, route.top_k, route.region, route.window, route.sinks,
-            haystack_name, centroid_block)
+            haystack_name, centroid_block, max_tokens)
 
 
 def _load(session: Session, case: Case, length: int, seed: int, log) -> dict:
@@ -137,7 +145,7 @@ def _load(session: Session, case: Case, length: int, seed: int, log) -> dict:
 
 
 def _ask(session, case, index, probe, route, config, length, seed, haystack_name, loaded) -> dict:
-    max_tokens = config.max_tokens or ANSWER_TOKENS.get(case.task, 48)
+    max_tokens = answer_tokens(config, case.task)
     summary = session.answer(probe.question, route=route, max_tokens=max_tokens)
     return {
         "length": length,
@@ -148,6 +156,7 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "haystack": haystack_name,
         **{k: v for k, v in asdict(route).items() if k != "seed"},
         "centroid_block": session.centroid_block,
+        "max_tokens": max_tokens,
         "score": score(probe, summary.text),
         "answer": summary.text.strip(),
         "expected": list(probe.answers),
