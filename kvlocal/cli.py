@@ -69,7 +69,7 @@ SinksOpt = Annotated[int, typer.Option("--sinks", help="First tokens always read
 CENTROID_BLOCK = 16
 CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", help="Tokens per key centroid (16-256); a region is scored from region/block centroids, "
-    "so a larger block reads fewer centroid bytes.")]
+    "so a larger block reads fewer centroid bytes. 0 keeps no centroids: every step is dense.")]
 SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=2**32 - 1, help="Seed for random routing and sampling.")]
 
 
@@ -325,9 +325,9 @@ def _lengths(text: str) -> list[int]:
 @app.command("eval")
 @handles_errors
 def eval_(
-    quick: Annotated[bool, typer.Option("--quick", help="2k, two depths, passkey, top-4: a few minutes; checks the ordering.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="2k, two depths, passkey, top-4 (in place of --lengths, --depths, --tasks, --top-k): a few minutes; checks the ordering.")] = False,
     lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4k,8k,16k,32k.")] = "4k,8k,16k,32k",
-    depths: Annotated[int, typer.Option("--depths", help="Needle depths from 0% to 100%.")] = 11,
+    depths: Annotated[int, typer.Option("--depths", min=2, help="Needle depths from 0% to 100%.")] = 11,
     tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,multivalue,multiquery,vartrack,cwe")] = "passkey",
     modes: Annotated[str, typer.Option("--modes", help="Routing modes to compare.")] = "full,geometric,window,random",
     sweep: Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")] = "",

@@ -142,7 +142,17 @@ def load_state(key: StateKey, root: Path | None = None) -> tuple[np.ndarray, byt
 
 
 def discard(key: StateKey, root: Path | None = None) -> None:
-    state_path(key, root).unlink(missing_ok=True)
+    _remove(state_path(key, root))
+
+
+def _remove(path: Path) -> None:
+    """Remove an entry, whatever sits at its name (a stray folder too)."""
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def list_entries(root: Path | None = None) -> list[StateEntry]:
@@ -174,6 +184,6 @@ def clear_entries(root: Path | None = None) -> int:
         return 0
     removed = 0
     for path in folder.glob(f"*{SUFFIX}"):
-        path.unlink(missing_ok=True)
+        _remove(path)
         removed += not path.name.startswith(".tmp-")
     return removed

@@ -388,7 +388,9 @@ class Session:
             q_tokens = self.tokenize(self.parts.question_text(question), bos=False)
             room = self.llm.n_ctx() - self.n_prefix - len(q_tokens)
             if room < 1:
-                raise ContextOverflowError("the question does not fit in the context left after the document")
+                raise ContextOverflowError(
+                    f"the question ({len(q_tokens):,} tokens) does not fit in the {self.llm.n_ctx() - self.n_prefix:,} "
+                    f"tokens of context left after the document; a larger --ctx leaves more room")
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
             summary = AnswerSummary("", len(q_tokens), 0, 0.0, route)

@@ -279,3 +279,30 @@ def test_bench_reports_speed_ttft_and_upkeep(cache_dir, tiny_model, tmp_path):
     assert report["ttft_fresh_s"] > 0 and report["ttft_cached_s"] > 0
     assert report["centroid_upkeep"]["with_s"] > 0 and report["centroid_upkeep"]["without_s"] > 0
     assert "| geometric tok/s |" in result.stdout and "centroid upkeep" in result.stdout
+
+
+@pytest.mark.parametrize("seed", [0, 4, 5])
+def test_haystacks_at_the_trained_context_leave_room_for_the_answer(cache_dir, tmp_path, seed):
+    # with the tiny models' tokenizer, seeds 4 and 5 overshot a 32k target past the trained context
+    from synth_gguf import write_tiny_qwen2
+
+    from kvlocal.evals.runner import DEFAULT_DEPTHS, make_case
+    from kvlocal.prompt import build_prompt
+    from kvlocal.session import ANSWER_RESERVE
+
+    session = Session(str(write_tiny_qwen2(tmp_path / "t32k.gguf", n_ctx=32768)))
+    case = make_case(session, "passkey", 32768, list(DEFAULT_DEPTHS), seed)
+    prefix = session.tokenize(build_prompt(case.text, session.chat_template).prefix, bos=True)
+    assert len(prefix) + ANSWER_RESERVE <= session.trained_ctx
+
+
+def test_a_folder_in_place_of_a_cache_entry_is_replaced(cache_dir, doc, tiny_model):
+    assert ask(doc, tiny_model).exit_code == 0
+    [entry] = kvstate.list_entries()
+    entry.path.unlink()
+    entry.path.mkdir()
+    result = ask(doc, tiny_model)
+    assert result.exit_code == 0, result.stderr
+    assert "saved state discarded" in result.stderr and "state saved" in result.stderr
+    assert entry.path.is_file()
+    assert run("cache", "clear").exit_code == 0

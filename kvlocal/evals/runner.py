@@ -54,8 +54,18 @@ class GridConfig:
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
     """The haystack for a context of `length` tokens (room left for the template, question and answer)."""
     count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
+    target = length - ANSWER_RESERVE - 256
     try:
-        return build_case(task, length - ANSWER_RESERVE - 256, depths, seed=seed, count_tokens=count, filler=filler)
+        for _ in range(3):
+            case = build_case(task, target, depths, seed=seed, count_tokens=count, filler=filler)
+            # a haystack may overshoot its target a little; at the model's own context that can
+            # leave no room for the answer, so shrink the target by the overshoot (cases that fit
+            # are never rebuilt, so recorded haystacks stay what they were)
+            over = count(case.text) + ANSWER_RESERVE + 256 - session.trained_ctx
+            if over <= 0:
+                break
+            target -= over
+        return case
     except ValueError as err:  # the needles do not fit
         raise UsageError(f"cannot build a {length}-token {task} haystack with {len(depths)} depths: {err}") from None
 
