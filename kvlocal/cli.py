@@ -68,7 +68,7 @@ SinksOpt = Annotated[int, typer.Option("--sinks", help="First tokens always read
 # = kvlocal.routing.DEFAULT_CENTROID_BLOCK, not imported here so that the CLI starts without the engine
 CENTROID_BLOCK = 16
 CentroidBlockOpt = Annotated[int, typer.Option(
-    "--centroid-block", help="Tokens per key centroid (16-256); a region is scored from region/block centroids, "
+    "--centroid-block", help="Tokens per key centroid (4-256); a region is scored from region/block centroids, "
     "so a larger block reads fewer centroid bytes. 0 keeps no centroids: every step is dense.")]
 SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=2**32 - 1, help="Seed for random routing and sampling.")]
 

@@ -25,7 +25,7 @@ MODE_NAMES = {mode.name.lower(): mode for mode in RouteMode}
 # score is its best block, so a region of R tokens is scored from R/block centroids. Fixed when a
 # context is created: the engine reads it from the environment then (patch 0003).
 CENTROID_BLOCK_ENV = "LLAMA_KV_CENTROID_BLOCK"
-CENTROID_BLOCKS = (16, 32, 64, 128, 256)
+CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 16
 
 FALLBACK_REASONS = {

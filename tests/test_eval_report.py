@@ -35,3 +35,18 @@ def test_sweep_counts_centroid_block_as_part_of_the_budget():
     text = report.markdown(summary)
     assert "4/b64: 100% x17.2" in text and "| 4/b64 | 17.2x |" in text
     assert report.check_ordering(summary) == []
+
+
+def test_main_cells_use_the_default_block_when_finer_ones_ran_too():
+    rows = [
+        _row("full", 1.0, bytes_read=1000),
+        _row("window", 0.0, bytes_read=50),
+        _row("geometric", 0.0, block=16, bytes_read=80, bytes_meta=30),
+        _row("geometric", 1.0, block=8, bytes_read=110, bytes_meta=60),
+    ]
+    summary = report.summarize(rows)
+    assert summary["main_centroid_block"] == 16
+    [geo] = [c for c in summary["cells"] if c["mode"] == "geometric"]
+    assert geo["accuracy"] == 0.0 and geo["reduction"] == 1000 / 80
+    # without a default-block row, the smallest block run makes the main cells
+    assert report.summarize([r for r in rows if r.get("centroid_block") != 16])["main_centroid_block"] == 8

@@ -31,9 +31,11 @@ def main_budget(rows: list[dict]) -> int | None:
 
 
 def main_block(rows: list[dict]) -> int:
-    """The centroid block of the main geometric cells (the smallest one run)."""
+    """The centroid block of the main geometric cells: the default one if it ran, else the smallest."""
     blocks = {block(r) for r in rows if r["mode"] == "geometric"}
-    return min(blocks) if blocks else DEFAULT_CENTROID_BLOCK
+    if DEFAULT_CENTROID_BLOCK in blocks or not blocks:
+        return DEFAULT_CENTROID_BLOCK
+    return min(blocks)
 
 
 def summarize(rows: list[dict]) -> dict:
