@@ -56,7 +56,9 @@ ModelOpt = Annotated[
 CtxOpt = Annotated[
     Optional[int], typer.Option("--ctx", help="Context size in tokens (default: fit the document; max: the model's).")
 ]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, max=256, help="CPU threads (default: all cores).")]
+# = kvlocal.session.MAX_THREADS (not imported, as CENTROID_BLOCK below)
+MAX_THREADS = 256
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads (default: all cores).")]
 KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")]
 RouteOpt = Annotated[
     str, typer.Option("--route", help="geometric (routed), full (dense), window or random (controls).")
@@ -74,12 +76,10 @@ SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=2**32 - 1, help="Seed
 
 
 def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0):
-    from kvlocal.errors import UsageError
-    from kvlocal.routing import RouteConfig
+    from kvlocal.routing import RouteConfig, check_region_block
 
     config = RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed)
-    if centroid_block and region % centroid_block:
-        raise UsageError(f"--region {region} must be a multiple of --centroid-block {centroid_block}")
+    check_region_block(region, centroid_block)
     return config
 
 
@@ -184,14 +184,11 @@ def ask(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
-    from kvlocal.errors import UsageError
     from kvlocal.ingest import load_document
-    from kvlocal.session import check_sampling
+    from kvlocal.session import check_ask_settings
 
     route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block)
-    check_sampling(max_tokens, temperature, seed)
-    if not question.strip():
-        raise UsageError("the question is empty")
+    check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
     session = _open_session(model, ctx, threads, kv_type, centroid_block)
     _load(session, doc.text, doc.source, not no_cache)

@@ -38,6 +38,12 @@ FALLBACK_REASONS = {
 }
 
 
+def check_region_block(region: int, centroid_block: int) -> None:
+    """A region is scored from whole centroid blocks: UsageError unless the block divides it (0: no centroids)."""
+    if centroid_block and region % centroid_block:
+        raise UsageError(f"--region {region} must be a multiple of the centroid block {centroid_block}")
+
+
 @dataclass(frozen=True)
 class RouteConfig:
     """How decode steps read the KV cache. Window and sinks are in tokens, rounded up to regions."""

@@ -30,6 +30,7 @@ from kvlocal.routing import (
     DEFAULT_CENTROID_BLOCK,
     ReadStats,
     RouteConfig,
+    check_region_block,
     read_stats,
 )
 
@@ -273,7 +274,8 @@ class Session:
             try:
                 saved_to = kvstate.save_state(key, np.array(tokens, np.int32), self._get_state(), label=label)
             except OSError as err:  # a full disk or an unusable cache dir: the prefilled context still works
-                rebuilt = f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
+                note = f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
+                rebuilt = f"{rebuilt}; {note}" if rebuilt else note
         return LoadResult(len(tokens), n_ctx, False, seconds, rebuilt, saved=saved_to is not None)
 
     def _prefill(
@@ -375,12 +377,9 @@ class Session:
         """
         if self.llm is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
-        if not question.strip():
-            raise UsageError("the question is empty")
-        check_sampling(max_tokens, temperature, seed)
+        check_ask_settings(question, max_tokens, temperature, seed)
         route = route or RouteConfig()
-        if self.centroid_block and route.region % self.centroid_block:
-            raise UsageError(f"--region {route.region} must be a multiple of the centroid block {self.centroid_block}")
+        check_region_block(route.region, self.centroid_block)
         module = llama_cpp()
         with self._lock:
             self._rewind()
@@ -452,8 +451,10 @@ class Session:
         self._vocab_llm = None
 
 
-def check_sampling(max_tokens: int, temperature: float, seed: int) -> None:
-    """UsageError unless the answer settings make sense (checked before any work is done)."""
+def check_ask_settings(question: str, max_tokens: int, temperature: float, seed: int) -> None:
+    """UsageError unless the question and the answer settings make sense (the CLI checks them before any work)."""
+    if not question.strip():
+        raise UsageError("the question is empty")
     if max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1 (got {max_tokens})")
     if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):

@@ -137,7 +137,7 @@ def test_usage_errors_exit_2(cache_dir, doc, tiny_model):
         (["--temperature", "-1"], "--temperature"),
         (["--seed", "-1"], "--seed"),
         (["--max-tokens", "0"], "--max-tokens"),
-        (["--centroid-block", "128", "--region", "64"], "multiple of --centroid-block"),
+        (["--centroid-block", "128", "--region", "64"], "multiple of the centroid block"),
     ],
 )
 def test_bad_settings_are_refused_before_any_work(cache_dir, doc, tiny_model, extra, message):
@@ -258,6 +258,12 @@ def test_cli_centroid_block_default_is_the_sessions():
     from kvlocal.routing import DEFAULT_CENTROID_BLOCK
 
     assert cli.CENTROID_BLOCK == DEFAULT_CENTROID_BLOCK
+
+
+def test_cli_threads_bound_is_the_sessions():
+    from kvlocal import cli, session
+
+    assert cli.MAX_THREADS == session.MAX_THREADS
 
 
 @pytest.mark.parametrize("command", ["bench", "eval"])
