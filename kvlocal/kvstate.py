@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 import tempfile
 import time
@@ -147,8 +148,6 @@ def discard(key: StateKey, root: Path | None = None) -> None:
 
 def _remove(path: Path) -> None:
     """Remove an entry, whatever sits at its name (a stray folder too)."""
-    import shutil
-
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
