@@ -93,20 +93,6 @@ def _check_out_file(path: Path) -> None:
         raise UsageError(f"--out {path}: the folder {path.parent} does not exist")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _check_lengths_fit(session, lengths: list[int]) -> None:
     from kvlocal.errors import UsageError
 
@@ -416,6 +402,7 @@ def bench(
     """Decode speed of geometric vs full on the same prefilled state, memory, and time to first token."""
     import json
 
+    from kvlocal.atomic import write_text_atomic
     from kvlocal.evals import bench as b
     from kvlocal.evals.runner import make_case
     from kvlocal.progress import human_bytes
@@ -456,7 +443,7 @@ def bench(
         u = report["centroid_upkeep"]
         print(f"centroid upkeep: prefill {u['with_s']:.1f} s with vs {u['without_s']:.1f} s without = {u['share']:.1%} of prefill")
     if out:
-        _write_atomic(out, json.dumps(report, indent=2))
+        write_text_atomic(out, json.dumps(report, indent=2))
 
 
 def version_callback(value: bool) -> None:

@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from kvlocal.atomic import write_text_atomic
 from kvlocal.routing import DEFAULT_CENTROID_BLOCK
 
 MODES_ORDER = ("full", "geometric", "window", "random")
@@ -117,7 +118,7 @@ def _budget(point: dict) -> str:
 
 
 def write_json(summary: dict, path: Path) -> None:
-    path.write_text(json.dumps(summary, indent=2))
+    write_text_atomic(path, json.dumps(summary, indent=2))
 
 
 def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
