@@ -312,3 +312,16 @@ def test_a_folder_in_place_of_a_cache_entry_is_replaced(cache_dir, doc, tiny_mod
     assert "saved state discarded" in result.stderr and "state saved" in result.stderr
     assert entry.path.is_file()
     assert run("cache", "clear").exit_code == 0
+
+
+def test_eval_resumes_and_keys_on_max_tokens(cache_dir, tiny_model, tmp_path):
+    out = tmp_path / "ev"
+    args = ["eval", "--model", str(tiny_model), "--lengths", "2k", "--depths", "2", "--modes", "full",
+            "--no-plots", "--out", str(out)]
+    assert run(*args).exit_code == 0
+    n = len((out / "results.jsonl").read_text().splitlines())
+    assert n == 2
+    assert run(*args).exit_code == 0  # a rerun finds every row done
+    assert len((out / "results.jsonl").read_text().splitlines()) == n
+    assert run(*args, "--max-tokens", "3").exit_code == 0  # another answer budget is another row
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2 * n

@@ -70,14 +70,19 @@ def make_case(session: Session, task: str, length: int, depths, seed: int, fille
         raise UsageError(f"cannot build a {length}-token {task} haystack with {len(depths)} depths: {err}") from None
 
 
+def task_answer_tokens(task: str) -> int:
+    """The answer budget a task's probes get unless --max-tokens sets one."""
+    return ANSWER_TOKENS.get(task, 48)
+
+
 def answer_tokens(config: GridConfig, task: str) -> int:
-    return config.max_tokens or ANSWER_TOKENS.get(task, 48)
+    return config.max_tokens or task_answer_tokens(task)
 
 
 def row_key(row: dict) -> tuple:
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
             row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", DEFAULT_CENTROID_BLOCK),
-            row.get("max_tokens", ANSWER_TOKENS.get(row["task"], 48)))  # older rows ran at the task's default
+            row.get("max_tokens", task_answer_tokens(row["task"])))  # older rows ran at the task's default
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -141,8 +146,10 @@ def run_grid(
 
 
 def _key(length, task, seed, probe_index, route, haystack_name, centroid_block, max_tokens) -> tuple:
-    return (length, task, seed, probe_index, route.mode, route.top_k, route.region, route.window, route.sinks,
-            haystack_name, centroid_block, max_tokens)
+    """row_key of the row that asking this probe would write."""
+    return row_key({"length": length, "task": task, "seed": seed, "probe": probe_index, "mode": route.mode,
+                    "top_k": route.top_k, "region": route.region, "window": route.window, "sinks": route.sinks,
+                    "haystack": haystack_name, "centroid_block": centroid_block, "max_tokens": max_tokens})
 
 
 def _load(session: Session, case: Case, length: int, seed: int, log) -> dict:
