@@ -311,7 +311,7 @@ def eval_(
     quick: Annotated[bool, typer.Option("--quick", help="2k, two depths, passkey, top-4 (in place of --lengths, --depths, --tasks, --top-k): a few minutes; checks the ordering.")] = False,
     lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4k,8k,16k,32k.")] = "4k,8k,16k,32k",
     depths: Annotated[int, typer.Option("--depths", min=2, help="Needle depths from 0% to 100%.")] = 11,
-    tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,multivalue,multiquery,vartrack,cwe")] = "passkey",
+    tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,lookalike,multivalue,multiquery,vartrack,cwe")] = "passkey",
     modes: Annotated[str, typer.Option("--modes", help="Routing modes to compare.")] = "full,geometric,window,random",
     sweep: Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")] = "",
     seeds: Annotated[str, typer.Option("--seeds", help="Haystack seeds.")] = "0",

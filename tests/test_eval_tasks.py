@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,7 @@ DEPTHS = [round(i / 10, 1) for i in range(11)]
 NEEDLE_TASKS = [t for t in TASKS if t != "cwe"]
 MAGIC = re.compile(r"(?:The|One of the) special magic numbers? for (.+?) is (\d+)\.")
 VAR = re.compile(r"VAR ([A-Z]{5}) = (?:VAR ([A-Z]{5})|(\d+))\.")
+LOOKALIKE = re.compile(r"([A-Z][a-z]+ [A-Z][a-z]+) from ([A-Z][a-z]+) was issued the access code ([a-z]+-\d{4})\.")
 
 
 def words(text: str) -> int:
@@ -67,7 +69,8 @@ def test_answers_planted_at_their_depth(task: str, seed: int) -> None:
 
 def test_probe_counts_and_groups() -> None:
     count = {t: len(build_case(t, 2048, DEPTHS, seed=0, count_tokens=words).probes) for t in TASKS}
-    assert count == {"passkey": 11, "multikey": 11, "multivalue": 3, "multiquery": 11, "vartrack": 3, "cwe": 1}
+    assert count == {"passkey": 11, "multikey": 11, "lookalike": 11, "multivalue": 3, "multiquery": 11, "vartrack": 3,
+                     "cwe": 1}
     mv = build_case("multivalue", 2048, DEPTHS, seed=0, count_tokens=words)
     assert sorted(len(p.answers) for p in mv.probes) == [3, 4, 4]
     assert [p.depth for p in mv.probes] == [0.0, 0.1, 0.2]  # groups interleave, so each spans the text
@@ -101,6 +104,32 @@ def test_multikey_distractors_look_alike_but_differ(seed: int) -> None:
     for key in distractors:  # differs from some asked key in one part only (colour, box or digit order)
         parts = key.split()
         assert any(sum(a != b for a, b in zip(parts, k.split())) == 1 for k in asked), key
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_lookalike_facts_share_one_shape_and_code_prefixes(seed: int) -> None:
+    depths = [0.9, 0.1, 0.5, 0.3, 0.7, 0.0, 1.0, 0.2, 0.8, 0.4, 0.6]  # not in order: planting sorts by depth
+    case = build_case("lookalike", 4096, depths, seed=seed, count_tokens=words)
+    facts = [(m.start(), m.groups()) for m in LOOKALIKE.finditer(case.text)]
+    assert len(facts) == len(depths)
+    asked = [(re.fullmatch(r"What access code was (.+) from (.+) issued\? Answer with the code only\.", p.question)
+              .groups(), p.answers[0], p.depth) for p in case.probes]
+    assert [d for _, _, d in asked] == depths
+    in_depth_order = sorted(asked, key=lambda a: a[2])
+    assert [(person, place, code) for _, (person, place, code) in sorted(facts)] == [
+        (*who, code) for who, code, _ in in_depth_order]
+    codes = [code for _, code, _ in asked]
+    assert len({who[0] for who, _, _ in asked}) == len({who[1] for who, _, _ in asked}) == len(set(codes)) == 11
+    for code in codes:
+        assert whole(code, case.text) == 1 and whole(code.split("-")[1], case.text) == 1
+    # 11 codes from 4 words and 3 two-digit prefixes: several share a word, and several their first digits
+    assert max(Counter(c.split("-")[0] for c in codes).values()) >= 3
+    assert max(Counter(c.split("-")[1][:2] for c in codes).values()) >= 4
+
+
+def test_lookalike_refuses_more_depths_than_places() -> None:
+    with pytest.raises(ValueError, match="at most 40 depths"):
+        build_case("lookalike", 8192, [i / 40 for i in range(41)], seed=0, count_tokens=words)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -152,6 +181,10 @@ def test_score() -> None:
     assert score(names, "QPEXKZ, ABCDE") == 0.5
     phrase = Probe("cwe", "q", ("blue  locker",), -1)
     assert score(phrase, "The Blue\nLocker!") == 1.0
+    code = Probe("lookalike", "q", ("amber-3397",), 0.3)  # the hyphenated code is one whole token
+    assert score(code, "amber-3397") == 1.0 and score(code, "The code is Amber-3397.") == 1.0
+    assert score(code, "amber-3389") == 0.0 and score(code, "cobalt-3397") == 0.0
+    assert score(code, "amber-33970") == 0.0 and score(code, "amber 3397") == 0.0 and score(code, "3397") == 0.0
 
 
 FILLER = "\n\n".join(
@@ -166,8 +199,9 @@ def test_filler_mode_uses_given_text(task: str) -> None:
     case = build_case(task, 2048, DEPTHS, seed=0, count_tokens=words, filler=FILLER)  # filler ~1000 tokens
     assert 0.95 * 2048 <= words(case.text) <= 1.03 * 2048
     stripped = VAR.sub("", MAGIC.sub("", case.text))
-    for probe in case.probes:  # passkey facts are sentences of their own
-        stripped = re.sub(r"[^.]*\b" + probe.answers[0] + r"\b[^.]*\.", "", stripped) if task == "passkey" else stripped
+    for probe in case.probes:  # passkey and lookalike facts are sentences of their own
+        if task in ("passkey", "lookalike"):
+            stripped = re.sub(r"[^.]*\b" + re.escape(probe.answers[0]) + r"\b[^.]*\.", "", stripped)
     sentences = set(re.split(r"(?<=[.!?])\s+", " ".join(FILLER.split())))
     for s in re.split(r"(?<=[.!?])\s+", " ".join(stripped.split())):
         assert s in sentences, s
@@ -204,3 +238,29 @@ def test_bad_input() -> None:
         build_case("passkey", 2048, [], seed=0, count_tokens=words)
     with pytest.raises(ValueError):
         build_case("passkey", 2048, [0.5], seed=0, count_tokens=words, filler="  \n ")
+
+
+def test_cli_eval_takes_every_task(monkeypatch, tmp_path) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from kvlocal import cli
+    from kvlocal.errors import KvlocalError
+    from kvlocal.evals import runner
+
+    [tasks_option] = [p for p in typer.main.get_command(cli.app).commands["eval"].params if p.name == "tasks"]
+    assert tasks_option.help == ",".join(TASKS)
+
+    grids = []
+
+    def stop_at_the_grid(session, config, out, **_) -> None:
+        grids.append(config)
+        raise KvlocalError("stopped at the grid")
+
+    monkeypatch.setattr(cli, "_open_session", lambda *args: SimpleNamespace(trained_ctx=32768))
+    monkeypatch.setattr(runner, "run_grid", stop_at_the_grid)
+    result = CliRunner().invoke(cli.app, ["eval", "--tasks", "lookalike", "--depths", "8", "--lengths", "2k",
+                                          "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "stopped at the grid" in result.stderr, result.stderr
+    [grid] = grids
+    assert grid.tasks == ["lookalike"] and len(grid.depths) == 8

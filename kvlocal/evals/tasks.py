@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvlocal.evals.haystack import build_haystack
 
-TASKS = ("passkey", "multikey", "multivalue", "multiquery", "vartrack", "cwe")
+TASKS = ("passkey", "multikey", "lookalike", "multivalue", "multiquery", "vartrack", "cwe")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,12 @@ _KEYS = (
     "|the copper kettle|the glass harmonica|the wooden rocking horse|the silver thimble|the leather satchel"
     "|the porcelain teapot|the iron lantern|the wicker basket|the ivory chess set|the pewter tankard"
 ).split("|")
+_CITIES = [k for k in _KEYS if not k.startswith("the ")]
+_FIRST_NAMES = ("Marta|Tomas|Ingrid|Kwame|Lucia|Dmitri|Amara|Pavel|Sofia|Rahul|Elena|Jonas|Nadia|Omar|Greta"
+                "|Mateo|Leila|Viktor|Hana|Felix").split("|")
+_LAST_NAMES = ("Okafor|Lindqvist|Moreau|Petrov|Castillo|Nakamura|Brennan|Haddad|Kowalski|Mensah|Varga|Eriksen"
+               "|Duarte|Sato|Novak|Quinn|Adeyemi|Falk|Romano|Iversen").split("|")
+_CODE_WORDS = ("amber", "cobalt", "jade", "crimson")  # few on purpose: codes share their word
 _COLORS = "blue|red|green|yellow|white|black|orange|purple|grey|brown".split("|")
 _BOXES = "locker|crate|cabinet|drawer|trunk|safe|mailbox|chest|cupboard|suitcase".split("|")
 _WORDS = """
@@ -103,7 +109,7 @@ def _plain(rng, depths):
 
 
 # passkey needles: one fact per depth, each in its own words, so that several needles can share a
-# haystack without looking alike (multikey is the look-alike task)
+# haystack without looking alike (multikey and lookalike are the look-alike tasks)
 _FACTS = (
     ("The combination of the harbour master's safe is {v}.", "What is the combination of the harbour master's safe?"),
     ("Professor Aldana's library card number is {v}.", "What is Professor Aldana's library card number?"),
@@ -156,6 +162,25 @@ def _multikey(rng, depths):
             needles.append((rng.random(), f"The special magic number for the {' '.join(look)} is {_magic(rng, used)}."))
         forbid |= {num, swapped}
     return needles, probes, sorted(used | forbid)
+
+
+def _lookalike(rng, depths):
+    """One fact per depth, all of one shape (a person from a city was issued a code), with codes that
+    share their word and often their first two digits ("amber-3397", "amber-3389")."""
+    if len(depths) > len(_CITIES):
+        raise ValueError(f"at most {len(_CITIES)} depths per case for this task (got {len(depths)})")
+    people: set = set()
+    numbers: set = set()
+    prefixes = [str(rng.randint(20, 99)) for _ in range(max(1, len(depths) // 3))]
+    needles, probes = [], []
+    for depth, place in zip(depths, rng.sample(_CITIES, len(depths))):
+        person = _draw(rng, people, lambda: f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}")
+        digits = _draw(rng, numbers, lambda: f"{rng.choice(prefixes)}{rng.randint(0, 99):02d}")
+        code = f"{rng.choice(_CODE_WORDS)}-{digits}"
+        needles.append((depth, f"{person} from {place} was issued the access code {code}."))
+        probes.append(Probe("lookalike", f"What access code was {person} from {place} issued? "
+                                         "Answer with the code only.", (code,), depth))
+    return needles, probes, sorted(numbers)
 
 
 def _multivalue(rng, depths):
@@ -211,8 +236,8 @@ def _vartrack(rng, depths):
     return needles, probes, sorted(names | values)
 
 
-_PLANTERS = {"passkey": _passkey, "multikey": _multikey, "multivalue": _multivalue,
-             "multiquery": _multiquery, "vartrack": _vartrack}
+_PLANTERS = {"passkey": _passkey, "multikey": _multikey, "lookalike": _lookalike,
+             "multivalue": _multivalue, "multiquery": _multiquery, "vartrack": _vartrack}
 
 
 def _cwe(n_tokens: int, seed: int, count_tokens: Callable[[str], int]) -> Case:
