@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from kvlocal.evals import report
 
 
@@ -33,7 +37,7 @@ def test_sweep_counts_centroid_block_as_part_of_the_budget():
     # the matching budget with the largest reduction: top-4 with one centroid per 64 tokens
     assert (sweep["smallest_matching_top_k"], sweep["centroid_block_at_match"]) == (4, 64)
     text = report.markdown(summary)
-    assert "4/b64: 100% x17.2" in text and "| 4/b64 | 17.2x |" in text
+    assert "4/b64: 100% [21–100] x17.2" in text and "| 4/b64 | 17.2x |" in text
     assert report.check_ordering(summary) == []
 
 
@@ -50,3 +54,53 @@ def test_main_cells_use_the_default_block_when_finer_ones_ran_too():
     assert geo["accuracy"] == 0.0 and geo["reduction"] == 1000 / 80
     # without a default-block row, the smallest block run makes the main cells
     assert report.summarize([r for r in rows if r.get("centroid_block") != 16])["main_centroid_block"] == 8
+
+
+@pytest.mark.parametrize("successes, n", [(12, 24), (0, 10), (10, 10), (3, 11), (1, 1)])
+def test_wilson_interval_is_the_score_interval(successes: int, n: int):
+    lo, hi = report.wilson_interval(successes / n, n)
+    # the Wilson interval's ends are the proportions p whose z-test accepts the observed one at 95 %
+    for end in (lo, hi):
+        if 0.0 < end < 1.0:
+            assert math.isclose(abs(successes / n - end), 1.959964 * math.sqrt(end * (1 - end) / n), rel_tol=1e-6)
+    assert 0.0 <= lo <= successes / n <= hi <= 1.0
+    assert (lo == 0.0) == (successes == 0) and (hi == 1.0) == (successes == n)
+
+
+def test_wilson_interval_known_values():
+    assert report.wilson_interval(0.5, 24) == pytest.approx([0.3143, 0.6857], abs=1e-4)
+    assert report.wilson_interval(0.0, 10) == pytest.approx([0.0, 0.2775], abs=1e-4)
+    assert report.wilson_interval(0.75, 4) == pytest.approx([0.3006, 0.9544], abs=1e-4)
+
+
+def test_fractional_scores_count_as_their_mean_over_n():
+    half_found = report.summarize([_row("geometric", 0.5)] * 24)["cells"][0]  # e.g. 2 of 4 values each
+    twelve_of_24 = report.summarize([_row("geometric", 1.0)] * 12 + [_row("geometric", 0.0)] * 12)["cells"][0]
+    assert half_found["accuracy_ci"] == pytest.approx(twelve_of_24["accuracy_ci"])
+    assert half_found["accuracy_ci"] == pytest.approx([0.3143, 0.6857], abs=1e-4)
+
+
+def test_cells_count_rows_and_rows_outside_the_window():
+    # 24 geometric rows, 15 right; the 18 at depth 0.5 lie outside the window, of which 9 right
+    rows = ([_row("geometric", 1.0, depth=0.5)] * 9 + [_row("geometric", 0.0, depth=0.5)] * 9
+            + [_row("geometric", 1.0, depth=1.0)] * 6)
+    [cell] = report.summarize(rows)["cells"]
+    assert (cell["n"], cell["accuracy"], cell["n_outside"], cell["accuracy_outside_window"]) == (24, 0.625, 18, 0.5)
+    assert cell["accuracy_ci"] == report.wilson_interval(0.625, 24)
+    assert cell["accuracy_outside_window_ci"] == report.wilson_interval(0.5, 18)
+    text = report.markdown(report.summarize(rows))
+    assert "| 4,096 | passkey | geometric | 62% [43–79] (n=24) | 50% [29–71] (n=18) | 10.0x |" in text
+    [near] = report.summarize([_row("geometric", 1.0, depth=1.0)])["cells"]
+    assert (near["n_outside"], near["accuracy_outside_window"], near["accuracy_outside_window_ci"]) == (0, None, None)
+    assert "| 100% [21–100] (n=1) | – |" in report.markdown(report.summarize([_row("geometric", 1.0, depth=1.0)]))
+
+
+def test_sweep_points_carry_their_interval_and_a_differing_n():
+    rows = ([_row("full", 1.0, bytes_read=1000)] * 4 + [_row("geometric", 1.0, top_k=2)] * 3
+            + [_row("geometric", 0.0, top_k=2)] + [_row("geometric", 1.0, top_k=8)] * 2)
+    [sweep] = report.summarize(rows)["sweep"]
+    assert sweep["full_n"] == 4 and sweep["full_accuracy_ci"] == report.wilson_interval(1.0, 4)
+    assert [(p["top_k"], p["n"], p["accuracy_ci"]) for p in sweep["points"]] == [
+        (2, 4, report.wilson_interval(0.75, 4)), (8, 2, report.wilson_interval(1.0, 2))]
+    text = report.markdown(report.summarize(rows))
+    assert "| 100% [51–100] (n=4) | 2: 75% [30–95] x10.0, 8: 100% [34–100] n=2 x10.0 |" in text

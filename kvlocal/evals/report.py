@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -11,6 +12,7 @@ from kvlocal.atomic import write_text_atomic
 from kvlocal.routing import DEFAULT_CENTROID_BLOCK
 
 MODES_ORDER = ("full", "geometric", "window", "random")
+Z95 = 1.959964  # the standard normal quantile of a two-sided 95 % interval
 
 
 def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
@@ -23,6 +25,24 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
 def block(row: dict) -> int:
     """The row's centroid block (rows written before it was recorded used the default)."""
     return row.get("centroid_block", DEFAULT_CENTROID_BLOCK)
+
+
+def wilson_interval(accuracy: float, n: int, z: float = Z95) -> list[float]:
+    """The Wilson score interval of a success fraction `accuracy` seen over `n` trials (exact for a
+    mean of 0/1 scores; a fractional mean counts as that many successes)."""
+    shrink = 1 + z * z / n
+    center = (accuracy + z * z / (2 * n)) / shrink
+    half = z / shrink * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n))
+    # at 0 or 1 an end is exactly 0 or 1 (the formula gets there only up to rounding)
+    return [0.0 if accuracy <= 0 else center - half, 1.0 if accuracy >= 1 else center + half]
+
+
+def _accuracy(rows: list[dict]) -> dict:
+    """Mean score, its number of rows and its 95 % Wilson interval (None for no rows)."""
+    if not rows:
+        return {"accuracy": None, "n": 0, "accuracy_ci": None}
+    accuracy = mean(r["score"] for r in rows)
+    return {"accuracy": accuracy, "n": len(rows), "accuracy_ci": wilson_interval(accuracy, len(rows))}
 
 
 def main_budget(rows: list[dict]) -> int | None:
@@ -48,12 +68,13 @@ def summarize(rows: list[dict]) -> dict:
     cells = []
     for (length, task, mode), group in sorted(_group(main, "length", "task", "mode").items(),
                                               key=lambda kv: (kv[0][0], kv[0][1], _mode_rank(kv[0][2]))):
-        far = [r for r in group if _outside_window(r)]
+        far = _accuracy([r for r in group if _outside_window(r)])
         cells.append({
             "length": length, "task": task, "mode": mode, "top_k": None if mode == "full" else k0,
-            "n": len(group),
-            "accuracy": mean(r["score"] for r in group),
-            "accuracy_outside_window": mean(r["score"] for r in far) if far else None,
+            **_accuracy(group),
+            "accuracy_outside_window": far["accuracy"],
+            "n_outside": far["n"],
+            "accuracy_outside_window_ci": far["accuracy_ci"],
             "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in group if r["bytes_read"]),
             "meta_share": mean(r["bytes_meta"] / r["bytes_read"] for r in group if r["bytes_read"]),
             "decode_tps": mean(r["decode_tps"] for r in group),
@@ -67,18 +88,19 @@ def sweep(rows: list[dict]) -> list[dict]:
     block), and the budget with the largest reduction whose accuracy matches full."""
     out = []
     for (length, task), group in sorted(_group(rows, "length", "task").items()):
-        dense = [r["score"] for r in group if r["mode"] == "full"]
-        if not dense:
+        dense = _accuracy([r for r in group if r["mode"] == "full"])
+        if not dense["n"]:
             continue
-        full_acc = mean(dense)
+        full_acc = dense["accuracy"]
         points = []
         geo = [dict(r, centroid_block=block(r)) for r in group if r["mode"] == "geometric"]
         for (b, k), g in sorted(_group(geo, "centroid_block", "top_k").items()):
-            points.append({"top_k": k, "centroid_block": b, "accuracy": mean(r["score"] for r in g),
+            points.append({"top_k": k, "centroid_block": b, **_accuracy(g),
                            "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in g)})
         matching = [p for p in points if p["accuracy"] >= full_acc - 1e-9]
         best = max(matching, key=lambda p: p["reduction"]) if matching else None
-        out.append({"length": length, "task": task, "full_accuracy": full_acc, "points": points,
+        out.append({"length": length, "task": task, "full_accuracy": full_acc, "full_n": dense["n"],
+                    "full_accuracy_ci": dense["accuracy_ci"], "points": points,
                     "smallest_matching_top_k": best["top_k"] if best else None,
                     "centroid_block_at_match": best["centroid_block"] if best else None,
                     "reduction_at_match": best["reduction"] if best else None})
@@ -89,27 +111,45 @@ def markdown(summary: dict) -> str:
     budget = (f"Routing budget: top-{summary['main_top_k']} regions (controls at the same budget)"
               if summary["main_top_k"] is not None else "Routing budget: no window/random controls in these rows")
     lines = [budget, "",
-             "| length | task | mode | n | accuracy | acc. outside window | KV bytes reduction | centroid share "
-             "| decode tok/s |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| length | task | mode | accuracy [95 % CI] (n) | acc. outside window [95 % CI] (n) "
+             "| KV bytes reduction | centroid share | decode tok/s |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
     for c in summary["cells"]:
-        far = "–" if c["accuracy_outside_window"] is None else f"{c['accuracy_outside_window']:.0%}"
+        acc = _accuracy_text(c["accuracy"], c["accuracy_ci"], c["n"])
+        far = _accuracy_text(c["accuracy_outside_window"], c["accuracy_outside_window_ci"], c["n_outside"])
         lines.append(
-            f"| {c['length']:,} | {c['task']} | {c['mode']} | {c['n']} | {c['accuracy']:.0%} | {far} "
+            f"| {c['length']:,} | {c['task']} | {c['mode']} | {acc} | {far} "
             f"| {c['reduction']:.1f}x | {c['meta_share']:.0%} | {c['decode_tps']:.1f} |"
         )
     if any(s["points"] for s in summary["sweep"]):
         lines += ["", "Budget sweep (geometric):", "",
-                  "| length | task | full acc. | budgets (top-k[/centroid block]: acc., reduction) "
-                  "| smallest matching | reduction |",
+                  "| length | task | full acc. [95 % CI] (n) | budgets (top-k[/centroid block]: acc. [95 % CI], "
+                  "reduction; n where it differs from full's) | smallest matching | reduction |",
                   "|---:|---|---:|---|---:|---:|"]
         for s in summary["sweep"]:
-            pts = ", ".join(f"{_budget(p)}: {p['accuracy']:.0%} x{p['reduction']:.1f}" for p in s["points"])
+            pts = ", ".join(_point_text(p, s["full_n"]) for p in s["points"])
             k = "–" if s["smallest_matching_top_k"] is None else _budget(
                 {"top_k": s["smallest_matching_top_k"], "centroid_block": s.get("centroid_block_at_match")})
             red = "–" if s["reduction_at_match"] is None else f"{s['reduction_at_match']:.1f}x"
-            lines.append(f"| {s['length']:,} | {s['task']} | {s['full_accuracy']:.0%} | {pts} | {k} | {red} |")
+            full = _accuracy_text(s["full_accuracy"], s["full_accuracy_ci"], s["full_n"])
+            lines.append(f"| {s['length']:,} | {s['task']} | {full} | {pts} | {k} | {red} |")
     return "\n".join(lines)
+
+
+def _interval_text(ci: list[float]) -> str:
+    return f"[{ci[0] * 100:.0f}–{ci[1] * 100:.0f}]"
+
+
+def _accuracy_text(accuracy: float | None, ci: list[float] | None, n: int) -> str:
+    """e.g. "62% [45–77] (n=24)"; "–" for no rows."""
+    return "–" if accuracy is None else f"{accuracy:.0%} {_interval_text(ci)} (n={n})"
+
+
+def _point_text(point: dict, full_n: int) -> str:
+    """A sweep point, e.g. "4/b64: 62% [45–77] x17.2"; its n only where it differs from full's."""
+    n = "" if point["n"] == full_n else f" n={point['n']}"
+    acc = f"{point['accuracy']:.0%} {_interval_text(point['accuracy_ci'])}"
+    return f"{_budget(point)}: {acc}{n} x{point['reduction']:.1f}"
 
 
 def _budget(point: dict) -> str:
