@@ -1,24 +1,57 @@
-"""The id of the patch series in patches/, as compiled into the engine by vendor/build_engine.py."""
+"""The id of the patch series in patches/, as compiled into the engine by vendor/build_engine.py,
+and the narrower id of what decides the bytes prefill writes into the KV cache."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
-PATCHES_DIR = Path(__file__).resolve().parent.parent / "patches"
+ROOT = Path(__file__).resolve().parent.parent
+PATCHES_DIR = ROOT / "patches"
+PIN_FILE = ROOT / "vendor" / "PIN"
+# the header trailer of a patch that changes no byte prefill writes into the K/V cache
+PREFILL_KV_UNCHANGED = "Prefill-KV: unchanged"
+_FIRST_DIFF = re.compile(r"^diff --git ", re.M)
 
 
 def patch_files(patches_dir: Path = PATCHES_DIR) -> list[Path]:
     return sorted(patches_dir.glob("*.patch"))
 
 
-def patchset_id(patches: list[Path]) -> str:
-    """sha256 over the names and contents of the patch files, in order (16 hex digits)."""
-    digest = hashlib.sha256()
+def _add_patches(digest, patches: list[Path]) -> None:
     for path in patches:
         digest.update(path.name.encode())
         digest.update(b"\0")
         digest.update(path.read_bytes())
+
+
+def patchset_id(patches: list[Path]) -> str:
+    """sha256 over the names and contents of the patch files, in order (16 hex digits)."""
+    digest = hashlib.sha256()
+    _add_patches(digest, patches)
+    return digest.hexdigest()[:16]
+
+
+def patch_header(patch: Path) -> str:
+    """The text above the patch's first `diff --git` line (its format-patch style header); empty
+    when it has no such line."""
+    text = patch.read_text()
+    first_diff = _FIRST_DIFF.search(text)
+    return text[: first_diff.start()] if first_diff else ""
+
+
+def keeps_prefill_kv(patch: Path) -> bool:
+    """The patch's header carries the `Prefill-KV: unchanged` trailer line."""
+    return PREFILL_KV_UNCHANGED in (line.strip() for line in patch_header(patch).splitlines())
+
+
+def kv_state_id(patches: list[Path], pin: Path = PIN_FILE) -> str:
+    """sha256 (16 hex digits) over the engine pin and the names and contents of the patches that may
+    change what prefill writes into the K/V cache (those without the trailer): a saved KV state stays
+    valid across engine rebuilds that change only the others."""
+    digest = hashlib.sha256(pin.read_bytes())
+    _add_patches(digest, [p for p in patches if not keeps_prefill_kv(p)])
     return digest.hexdigest()[:16]
 
 
@@ -26,3 +59,9 @@ def repo_patchset_id() -> str | None:
     """The id of this checkout's patches/, or None for an install without the repository."""
     patches = patch_files()
     return patchset_id(patches) if patches else None
+
+
+def repo_kv_state_id() -> str | None:
+    """kv_state_id of this checkout's patches/ and pin, or None for an install without them."""
+    patches = patch_files()
+    return kv_state_id(patches) if patches and PIN_FILE.is_file() else None

@@ -222,10 +222,16 @@ class Session:
         return min(self.trained_ctx, -(-needed // CTX_ROUND) * CTX_ROUND)
 
     def state_key(self, text: str, n_ctx: int) -> kvstate.StateKey:
+        from kvlocal.patchset import repo_kv_state_id
+
+        # an engine built from this checkout is keyed by what decides its prefilled K/V bytes (the
+        # pin and the patches not marked `Prefill-KV: unchanged`), so a routing-only rebuild keeps
+        # the saved states; any other engine by its whole build id
+        kv_state = repo_kv_state_id() if self.engine.current and self.engine.repo_patchset else None
         return kvstate.StateKey(
             text_sha256=hashlib.sha256(text.encode()).hexdigest(),
             model_sha256=self.model.sha256,
-            engine_build=self.engine.build_id or "",
+            engine_build=f"kvstate:{kv_state}" if kv_state else self.engine.build_id or "",
             n_ctx=n_ctx,
             type_k=self.kv_type,
             type_v=self.kv_type,
