@@ -86,6 +86,12 @@ def test_the_trailer_counts_only_as_a_header_line(tmp_path, text, marked):
     assert keeps_prefill_kv(patch) is marked
 
 
+def test_every_repository_patch_has_a_subject_header():
+    for patch in patch_files():
+        lines = patchset.patch_header(patch).splitlines()
+        assert len(lines) >= 3 and lines[0].startswith("Subject: ") and lines[1] == "", patch.name
+
+
 @pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
 def test_the_build_applies_and_reverts_a_patch_with_a_header(tmp_path):
     spec = importlib.util.spec_from_file_location("build_engine", ROOT / "vendor" / "build_engine.py")
