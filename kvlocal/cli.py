@@ -386,6 +386,78 @@ def eval_(
 
 @app.command()
 @handles_errors
+def lab(
+    lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k.")] = "8k",
+    tasks: Annotated[str, typer.Option("--tasks", help="Eval tasks whose haystacks are captured.")] = "lookalike",
+    depths: Annotated[int, typer.Option("--depths", min=2, help="Facts per haystack, spread from 5% to 90% depth.")] = 8,
+    seeds: Annotated[str, typer.Option("--seeds", help="Haystack seeds.")] = "0",
+    rules: Annotated[str, typer.Option("--rules", help="Selection rules to replay (comma-separated), or 'all'.")] = "all",
+    budgets: Annotated[str, typer.Option("--budgets", help="Regions selected per layer and KV head.")] = "8",
+    out: Annotated[Path, typer.Option("--out", help="Folder for the captures (.npz) and lab.json.")] = Path("kvlocal-lab"),
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    region: RegionOpt = 64,
+    window: WindowOpt = 128,
+    sinks: SinksOpt = 64,
+) -> None:
+    """Routing lab: capture the dense model's real queries and keys once per haystack, then replay selection rules offline.
+
+    Prints, per rule and budget, the attention-mass recall of the heads that reach beyond the sinks and window,
+    whether the asked fact's region is selected for the heads that read it, and the KV bytes the rule would read
+    (scanned metadata included). Captures are kept in OUT, so a second run replays without the engine.
+    """
+    import json
+
+    from kvlocal.atomic import write_text_atomic
+    from kvlocal.errors import UsageError
+    from kvlocal.evals import lab as lab_mod
+    from kvlocal.evals.lab_rules import RULES, Geometry
+    from kvlocal.evals.runner import make_case, task_answer_tokens
+    from kvlocal.evals.tasks import TASKS
+
+    names = list(RULES) if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
+    unknown = [r for r in names if r not in RULES]
+    if unknown or not names:
+        raise UsageError(f"--rules: {', '.join(unknown) or 'none given'}; choose from {', '.join(RULES)}")
+    task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not task_list or any(t not in TASKS or t == "cwe" for t in task_list):
+        raise UsageError(f"--tasks: choose from {', '.join(t for t in TASKS if t != 'cwe')}")
+    ks = _ints(budgets)
+    if not ks or min(ks) < 1:
+        raise UsageError("--budgets: give positive region counts, e.g. 4,8")
+    geo = Geometry(region=region, sinks=sinks, window=window)
+    depth_list = [round(0.05 + 0.85 * i / (depths - 1), 3) for i in range(depths)]
+    out.mkdir(parents=True, exist_ok=True)
+    session = None
+    totals: dict = {}
+    for length in _lengths(lengths):
+        for task in task_list:
+            for seed in _ints(seeds):
+                name = f"{task}-{length}-s{seed}-d{depths}"
+                path = out / f"{name}.npz"
+                if path.exists():
+                    cap = lab_mod.CaseCapture.load(path)
+                    err(f"kvlocal: {name}: capture loaded from {path}")
+                else:
+                    if session is None:
+                        session = _open_session(model, None, threads, "f16")
+                        _check_lengths_fit(session, _lengths(lengths))
+                    case = make_case(session, task, length, depth_list, seed)
+                    cap = lab_mod.capture_case(session, case, name, task_answer_tokens(task),
+                                               log=lambda line: err(f"kvlocal: {line}"))
+                    cap.save(path)
+                started = time.perf_counter()
+                lab_mod.replay_case(cap, names, ks, geo, totals)
+                err(f"kvlocal: {name}: replayed {len(names)} rules x {len(ks)} budgets in {time.perf_counter() - started:.0f} s")
+    rows = lab_mod.summarize(totals)
+    write_text_atomic(out / "lab.json", json.dumps(rows, indent=1))
+    print(lab_mod.markdown(rows))
+    print()
+    print(lab_mod.layer_markdown(rows, names))
+
+
+@app.command()
+@handles_errors
 def bench(
     lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k.")] = "8k,16k,32k",
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Answer tokens timed per run.")] = 48,

@@ -196,6 +196,7 @@ def apply_patches(tree: Path) -> str:
     common = 0
     while common < min(len(wanted), len(have)) and wanted[common] == have[common]:
         common += 1
+    before = file_stamps(llama_dir, applied[common:] + patches[common:])
     for path in reversed(applied[common:]):
         say(f"reverting {path.name}")
         res = run_patch(llama_dir, path, "--reverse")
@@ -213,7 +214,38 @@ def apply_patches(tree: Path) -> str:
         if res.returncode != 0:
             die(f"{path.name} failed to apply:\n{res.stdout}{res.stderr}")
         shutil.copyfile(path, applied_dir / path.name)
+    restore_unchanged_mtimes(llama_dir, before)
     return patchset_id(patches)
+
+
+def patched_paths(patches: list[Path]) -> set[str]:
+    """The files (relative to llama.cpp) that the patches touch."""
+    found = set()
+    for patch in patches:
+        for line in patch.read_text(errors="replace").splitlines():
+            if line.startswith(("--- a/", "+++ b/")):
+                found.add(line[6:].split("\t")[0])
+    return found
+
+
+def file_stamps(llama_dir: Path, patches: list[Path]) -> dict[str, tuple[int, str]]:
+    """(mtime, sha256) of every existing file the patches touch."""
+    stamps = {}
+    for rel in patched_paths(patches):
+        path = llama_dir / rel
+        if path.is_file():
+            stamps[rel] = (path.stat().st_mtime_ns, sha256_file(path))
+    return stamps
+
+
+def restore_unchanged_mtimes(llama_dir: Path, before: dict[str, tuple[int, str]]) -> None:
+    """A file that reverting and re-applying left with the same bytes gets its old mtime back, so the
+    persistent build directory recompiles only what really changed (a patch's header, or a later
+    patch of the series, no longer rebuilds everything the series touches)."""
+    for rel, (mtime_ns, digest) in before.items():
+        path = llama_dir / rel
+        if path.is_file() and sha256_file(path) == digest:
+            os.utime(path, ns=(mtime_ns, mtime_ns))
 
 
 def cmake_args(backend: str, cuda_arch: str | None, set_id: str) -> list[str]:

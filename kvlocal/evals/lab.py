@@ -1,0 +1,208 @@
+"""The routing lab: capture the dense model once per case, replay any number of selection rules offline.
+
+`capture_case` prefills a haystack (or restores its saved state), decodes every probe densely while
+recording the real post-RoPE queries and keys of every layer, and saves them (an .npz per case, so
+replays need no engine). `replay_case` scores rules against exact attention; `summarize` and
+`markdown` turn the numbers into the table BENCHMARKS.md shows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvlocal.evals.lab_rules import RULES, Geometry, Head, HeadResult, replay
+from kvlocal.evals.tasks import Case, Probe
+
+FAR_TAIL = 0.2  # a (step, layer, head) "reaches far" when this share of its attention is outside sinks and window
+TOP_PAIRS = 10  # the (layer, head) pairs per step that attend most to the asked fact
+
+
+@dataclass
+class CaseCapture:
+    """Everything a replay needs for one haystack: keys, and per probe its steps' queries and keys."""
+
+    name: str
+    doc_keys: np.ndarray  # [layer, cells, n_head_kv*dim] F16
+    probes_q: list[np.ndarray]  # per probe [steps, layer, n_head, dim] F32
+    probes_k: list[np.ndarray]  # per probe [steps, layer, n_head_kv, dim] F32
+    facts: np.ndarray  # [probe, 2] cell span of the asked fact
+    correct: np.ndarray  # [probe] the dense answer was right
+    depths: np.ndarray  # [probe]
+
+    @property
+    def n_doc(self) -> int:
+        return self.doc_keys.shape[1]
+
+    def save(self, path: Path) -> None:
+        arrays = {"doc_keys": self.doc_keys, "facts": self.facts, "correct": self.correct, "depths": self.depths}
+        for i, (q, k) in enumerate(zip(self.probes_q, self.probes_k)):
+            arrays[f"q{i}"], arrays[f"k{i}"] = q.astype(np.float16), k.astype(np.float16)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> CaseCapture:
+        with np.load(path) as z:
+            n = len(z["facts"])
+            return cls(path.stem, z["doc_keys"], [z[f"q{i}"].astype(np.float32) for i in range(n)],
+                       [z[f"k{i}"].astype(np.float32) for i in range(n)], z["facts"], z["correct"], z["depths"])
+
+
+def fact_span(session, prefix: str, needle: str) -> tuple[int, int]:
+    """Token span [start, end) of `needle` inside the tokenized prefix (BPE may shift a boundary by one)."""
+    at = prefix.find(needle)
+    if at < 0:
+        raise ValueError(f"needle not found in the document: {needle[:60]!r}")
+    start = len(session.tokenize(prefix[:at], bos=True))
+    end = len(session.tokenize(prefix[: at + len(needle)], bos=True))
+    return max(0, start - 1), end + 1
+
+
+def needle_of(case: Case, probe: Probe) -> str:
+    """The planted sentence a probe asks about: the one holding its first answer."""
+    for sentence in re.split(r"(?<=[.!?])\s+", case.text):
+        if probe.answers[0] in sentence:
+            return sentence.strip()
+    raise ValueError(f"no sentence holds {probe.answers[0]!r}")
+
+
+def capture_case(session, case: Case, name: str, max_tokens: int, log: Callable[[str], None] = print) -> CaseCapture:
+    """Dense decode of every probe of `case`, recording Q and K of every layer at every step."""
+    from kvlocal.evals.lab_capture import QKCapture, state_keys
+    from kvlocal.evals.tasks import score
+    from kvlocal.routing import RouteConfig
+
+    info = session.model.info
+    head_dim = info.head_dim or info.n_embd // info.n_head
+    capture = QKCapture(info.n_layer, info.n_head, info.n_head_kv, head_dim)
+    session.unload()  # the context must be created with the callback installed
+    with capture.installed():
+        result = session.load_document(case.text, label=f"lab {name}")
+    log(f"{name}: {result.n_tokens:,} tokens ({'cached state' if result.cache_hit else f'prefilled in {result.seconds:.0f} s'})")
+    pos, doc_keys = state_keys(session._get_state(), info.n_layer, info.n_head_kv * head_dim)
+    qs, ks, facts, correct = [], [], [], []
+    for probe in case.probes:
+        capture.reset()
+        capture.active = True
+        try:
+            answer = session.answer(probe.question, route=RouteConfig(mode="full"), max_tokens=max_tokens)
+        finally:
+            capture.active = False
+        q, k = capture.steps.arrays()
+        qs.append(q)
+        ks.append(k)
+        facts.append(fact_span(session, session.parts.prefix, needle_of(case, probe)))
+        correct.append(score(probe, answer.text) >= 1.0)
+        log(f"  depth {probe.depth:.2f}: {len(q)} steps, dense answer {answer.text.strip()[:40]!r} "
+            f"({'right' if correct[-1] else 'wrong'})")
+    return CaseCapture(name, doc_keys, qs, ks, np.array(facts), np.array(correct),
+                       np.array([p.depth for p in case.probes]))
+
+
+@dataclass
+class RuleTotals:
+    """Sums over the replayed heads of one rule and budget."""
+
+    recall_far: list  # per far-reaching (probe, step, layer, head): recall
+    layer_recall: dict  # layer -> list of recalls (far-reaching)
+    hits: list  # per (probe, step): share of the top pairs whose fact region was read
+    ranks: list
+    rows_read: int = 0
+    rows_scan: int = 0
+    rows_dense: int = 0
+
+
+def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], geo: Geometry,
+                totals: dict | None = None, only_outside: bool = True) -> dict:
+    """Replay `rules` at every budget on a capture; adds into `totals` {(rule, k): RuleTotals}."""
+    totals = totals if totals is not None else {}
+    n_layer = cap.doc_keys.shape[0]
+    for i, (q_all, k_all) in enumerate(zip(cap.probes_q, cap.probes_k)):
+        n_steps, _, n_head, dim = q_all.shape
+        n_head_kv = k_all.shape[2]
+        group = n_head // n_head_kv
+        pos = cap.n_doc + np.arange(n_steps)
+        fact = tuple(int(x) for x in cap.facts[i])
+        fixed0, _ = geo.fixed_and_candidates(int(pos[0]))
+        fact_region = (fact[0] + fact[1]) // 2 // geo.region
+        if only_outside and fact_region in set(fixed0.tolist()):
+            continue  # a fact in the sinks or the window says nothing about routing
+        per = defaultdict(list)  # (rule, k) -> [(layer, kv head, HeadResult)]
+        for il in range(n_layer):
+            for h in range(n_head_kv):
+                keys = np.concatenate([cap.doc_keys[il, :, h * dim:(h + 1) * dim].astype(np.float32), k_all[:, il, h]])
+                head = Head(q_all[:, il, h * group:(h + 1) * group], keys, pos, 1.0 / np.sqrt(dim))
+                for name in rules:
+                    for k in budgets:
+                        per[(name, k)].append((il, h, replay(head, geo, RULES[name], k, fact)))
+        for key, results in per.items():
+            _accumulate(totals.setdefault(key, RuleTotals([], defaultdict(list), [], [])), results, group)
+    return totals
+
+
+def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group: int) -> None:
+    for il, _, r in results:
+        far = r.tail >= FAR_TAIL
+        rec = (r.got[far] / r.tail[far]).tolist()
+        t.recall_far += rec
+        t.layer_recall[il] += rec
+        t.rows_read += int(r.rows_read.sum())
+        t.rows_scan += int(r.rows_scan.sum())
+        t.rows_dense += int(r.rows_dense.sum())
+    n_steps = results[0][2].tail.shape[0]
+    for s in range(n_steps):
+        pairs = [(r.fact_mass[s, g], r.fact_hit[s, g], r.fact_rank[s]) for _, _, r in results for g in range(group)]
+        pairs.sort(key=lambda x: -x[0])
+        top = [x for x in pairs[:TOP_PAIRS] if x[0] > 0.01]
+        if top:
+            t.hits.append(float(np.mean([x[1] for x in top])))
+            t.ranks += [int(x[2]) for x in top if x[2] > 0]
+
+
+def summarize(totals: dict) -> list[dict]:
+    rows = []
+    for (name, k), t in totals.items():
+        rec = np.array(t.recall_far) if t.recall_far else np.zeros(1)
+        dense_bytes = 2 * t.rows_dense  # K and V rows
+        read = 2 * t.rows_read + t.rows_scan  # gathered K and V rows + scanned key-sized metadata rows
+        rows.append({
+            "rule": name, "top_k": k,
+            "scan_share_of_k": t.rows_scan / t.rows_dense if t.rows_dense else 0.0,
+            "recall_far": float(rec.mean()), "recall_far_p10": float(np.percentile(rec, 10)),
+            "n_far": len(t.recall_far),
+            "fact_hit": float(np.mean(t.hits)) if t.hits else float("nan"), "n_steps": len(t.hits),
+            "fact_rank_median": float(np.median(t.ranks)) if t.ranks else float("nan"),
+            "reduction": dense_bytes / read if read else float("inf"),
+            "layer_recall": {int(il): float(np.mean(v)) for il, v in sorted(t.layer_recall.items()) if v},
+        })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| rule | k | scan (x K bytes) | recall, far-reaching | worst decile | fact hit | fact rank (median) | KV bytes reduction |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        scan = f"1/{1 / r['scan_share_of_k']:.0f}" if r["scan_share_of_k"] else "–"
+        lines.append(f"| {r['rule']} | {r['top_k']} | {scan} | {r['recall_far']:.2f} | {r['recall_far_p10']:.2f} | "
+                     f"{r['fact_hit']:.2f} | {r['fact_rank_median']:.0f} | {r['reduction']:.1f}x |")
+    return "\n".join(lines)
+
+
+def layer_markdown(rows: list[dict], rules: Sequence[str]) -> str:
+    """Recall of far-reaching heads per layer, one column per rule (at its first budget)."""
+    chosen = {}
+    for r in rows:
+        chosen.setdefault(r["rule"], r)
+    cols = [chosen[n] for n in rules if n in chosen]
+    layers = sorted({il for r in cols for il in r["layer_recall"]})
+    lines = ["| layer | " + " | ".join(r["rule"] for r in cols) + " |", "|---:|" + "---:|" * len(cols)]
+    for il in layers:
+        lines.append(f"| {il} | " + " | ".join(f"{r['layer_recall'].get(il, float('nan')):.2f}" for r in cols) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""The routing lab's capture: the dense model's real post-RoPE queries and keys, from llama.cpp's graph.
+
+Queries (and the keys of the question and answer tokens) are read with llama.cpp's eval callback
+(`cb_eval` of the context parameters) from the graph nodes the model names `Qcur-<layer>` and
+`Kcur-<layer>` after RoPE; the document's keys come from the saved KV state, byte for byte what
+the cache holds. Nothing here routes: the capture runs dense decoding, the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvlocal.engine import llama_cpp
+from kvlocal.errors import EngineError
+
+GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
+STATE_MAGIC = 0xAF143CD8  # llama-context.cpp io_magic, first word of a sequence state
+
+
+@dataclass
+class CapturedSteps:
+    """Per decode step: the query of every layer and the key it wrote. [step, layer, head, dim] F32."""
+
+    q: list[np.ndarray] = field(default_factory=list)
+    k: list[np.ndarray] = field(default_factory=list)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.stack(self.q), np.stack(self.k)
+
+
+def _ggml_lib() -> ctypes.CDLL:
+    """libggml-base beside the loaded libllama (the tensor accessors the callback needs)."""
+    lib_dir = Path(llama_cpp().llama_cpp._lib._name).parent
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        if (lib_dir / name).exists():
+            lib = ctypes.CDLL(str(lib_dir / name))
+            break
+    else:
+        raise EngineError(f"libggml-base not found beside {lib_dir}")
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_op_desc.argtypes = [ctypes.c_void_p]
+    lib.ggml_op_desc.restype = ctypes.c_char_p
+    lib.ggml_nelements.argtypes = [ctypes.c_void_p]
+    lib.ggml_nelements.restype = ctypes.c_int64
+    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    lib.ggml_nbytes.restype = ctypes.c_size_t
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    return lib
+
+
+class QKCapture:
+    """An eval callback that records the roped Q and K of every layer of single-token graphs.
+
+    Use `installed()` around the creation of the llama context (the callback is a context
+    parameter), then set `active` while the steps to record are decoded."""
+
+    def __init__(self, n_layer: int, n_head: int, n_head_kv: int, head_dim: int) -> None:
+        self.n_layer, self.n_head, self.n_head_kv, self.head_dim = n_layer, n_head, n_head_kv, head_dim
+        self.active = False
+        self.steps = CapturedSteps()
+        self._q = np.zeros((n_layer, n_head, head_dim), np.float32)
+        self._k = np.zeros((n_layer, n_head_kv, head_dim), np.float32)
+        self._seen = 0
+        self._lib = _ggml_lib()
+        self._callback = llama_cpp().llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
+
+    def reset(self) -> None:
+        self.steps = CapturedSteps()
+
+    def _wanted(self, t: int) -> tuple[str, int] | None:
+        name = self._lib.ggml_get_name(t).decode(errors="replace")
+        kind, _, layer = name.partition("-")
+        if kind not in ("Qcur", "Kcur") or not layer.isdigit():
+            return None
+        if self._lib.ggml_op_desc(t) != b"ROPE":
+            return None
+        return kind, int(layer)
+
+    def _on_tensor(self, t: int, ask: bool, _user: int) -> bool:
+        if not self.active:
+            return False if ask else True
+        wanted = self._wanted(t)
+        if ask:
+            return wanted is not None
+        if wanted is None:
+            return True
+        kind, layer = wanted
+        dest = self._q[layer] if kind == "Qcur" else self._k[layer]
+        if self._lib.ggml_nelements(t) != dest.size:
+            return True  # a batch of several tokens (prefill): not a decode step
+        buf = np.empty(dest.size, np.float32)
+        self._lib.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
+        dest[...] = buf.reshape(dest.shape)
+        self._seen += 1
+        if self._seen == 2 * self.n_layer:  # every layer's Q and K: one step done
+            self.steps.q.append(self._q.copy())
+            self.steps.k.append(self._k.copy())
+            self._seen = 0
+        return True
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Contexts created inside this block call the capture for every graph node."""
+        module = llama_cpp().llama_cpp
+        original = module.llama_init_from_model
+        callback = self._callback
+
+        def init_with_callback(model, params):
+            params.cb_eval = callback
+            params.cb_eval_user_data = None
+            return original(model, params)
+
+        module.llama_init_from_model = init_with_callback
+        try:
+            yield
+        finally:
+            module.llama_init_from_model = original
+
+
+def state_keys(state: bytes, n_layer: int, n_embd_k_gqa: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions [n_cells], keys [n_layer, n_cells, n_embd_k_gqa] F16) of one sequence's saved state
+    (llama_state_seq_get_data of a standard KV cache: one stream, cells in position order)."""
+    off = 0
+
+    def take(fmt: str):
+        nonlocal off
+        values = struct.unpack_from("<" + fmt, state, off)
+        off += struct.calcsize("<" + fmt)
+        return values
+
+    magic, _seq_id, n_stream = take("IiI")
+    if magic != STATE_MAGIC:
+        raise EngineError("not a llama.cpp sequence state (magic number)")
+    if n_stream != 1:
+        raise EngineError(f"the lab reads single-stream states (this one has {n_stream} streams)")
+    (n_cells,) = take("I")
+    pos = np.zeros(n_cells, np.int32)
+    for i in range(n_cells):
+        pos[i], n_seq = take("iI")
+        off += 4 * n_seq
+    v_trans, n_layer_state = take("II")
+    if n_layer_state != n_layer:
+        raise EngineError(f"the state holds {n_layer_state} layers, the model {n_layer}")
+    keys = np.zeros((n_layer, n_cells, n_embd_k_gqa), np.float16)
+    for il in range(n_layer):
+        k_type, row = take("iQ")
+        if k_type != GGML_TYPE_F16 or row != 2 * n_embd_k_gqa:
+            raise EngineError("the lab reads F16 key caches only")
+        keys[il] = np.frombuffer(state, np.float16, n_cells * n_embd_k_gqa, off).reshape(n_cells, n_embd_k_gqa)
+        off += n_cells * row
+    if np.any(np.diff(pos) != 1):
+        raise EngineError("the state's cells are not one run of consecutive positions")
+    return pos, keys

@@ -1,0 +1,265 @@
+"""The routing lab's replay: selection rules scored against exact attention, offline, in numpy.
+
+Inputs are the dense model's real queries and keys of one layer and KV head (see lab_capture):
+`q` [steps, group, dim] (the query heads that share the KV head), `keys` [cells, dim] and the
+position of each step. Every rule ranks the candidate regions (neither sinks nor window) of each
+step; the metrics compare what it selects with the exact softmax attention of those steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+NEG = -np.inf
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Region layout of the routed decode (the engine's plan, llama-kv-cache.cpp route_plan)."""
+
+    region: int = 64
+    sinks: int = 64
+    window: int = 128
+
+    def fixed_and_candidates(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """Region ids every head reads (sinks, window) and the ones routing chooses from, for a
+        token at `pos` that sees cells 0..pos."""
+        n_used = pos // self.region + 1
+        n_sink = -(-self.sinks // self.region)
+        n_win = max(1, -(-self.window // self.region))
+        ids = np.arange(n_used)
+        fixed = (ids < n_sink) | (ids >= n_used - n_win)
+        return ids[fixed], ids[~fixed]
+
+
+@dataclass
+class Head:
+    """One (layer, KV head) of one probe: its steps' queries and every key they may see."""
+
+    q: np.ndarray  # [steps, group, dim] F32, post-RoPE
+    keys: np.ndarray  # [cells, dim] F32, cell i at position i
+    pos: np.ndarray  # [steps] position of each step's token
+    scale: float
+
+    def logits(self) -> np.ndarray:
+        """[steps, group, cells] with -inf where a step does not see the cell."""
+        lg = np.einsum("sgd,td->sgt", self.q, self.keys) * self.scale
+        visible = np.arange(self.keys.shape[0])[None, :] <= self.pos[:, None]
+        return np.where(visible[:, None, :], lg, NEG)
+
+    def probs(self) -> np.ndarray:
+        lg = self.logits()
+        lg = lg - lg.max(axis=-1, keepdims=True)
+        p = np.exp(lg)
+        return p / p.sum(axis=-1, keepdims=True)
+
+
+# A rule returns region scores [steps, n_regions] (higher = read first; -inf = never) and the number
+# of key-sized rows it scanned per step (the metadata a routed step reads, in K rows of one head).
+RuleResult = tuple[np.ndarray, np.ndarray]
+Rule = Callable[[Head, Geometry, np.ndarray], RuleResult]
+
+
+def _pad_cells(keys: np.ndarray, multiple: int) -> np.ndarray:
+    n = -(-keys.shape[0] // multiple) * multiple
+    if n == keys.shape[0]:
+        return keys
+    return np.concatenate([keys, np.zeros((n - keys.shape[0], keys.shape[1]), keys.dtype)])
+
+
+def block_means(keys: np.ndarray, block: int, n_regions: int, region: int) -> np.ndarray:
+    """[n_regions*region/block, dim] mean key of every block (as the engine keeps them, F16)."""
+    k = _pad_cells(keys, region)[: n_regions * region]
+    means = k.reshape(-1, block, k.shape[1]).mean(axis=1)
+    return means.astype(np.float16).astype(np.float32)
+
+
+def _region_max(block_scores: np.ndarray, per_region: int) -> np.ndarray:
+    """[steps, group, n_blocks] -> [steps, n_regions]: best block of the region, best query head."""
+    s, g, nb = block_scores.shape
+    return block_scores.reshape(s, g, nb // per_region, per_region).max(axis=(1, 3))
+
+
+def _n_regions(head: Head, geo: Geometry) -> int:
+    return int(head.pos.max()) // geo.region + 1
+
+
+def mean_rule(block: int) -> Rule:
+    """Mean key of every `block` cells, raw q.c, max over the region's blocks and the group (main's rule)."""
+
+    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        n_reg = _n_regions(head, geo)
+        c = block_means(head.keys, block, n_reg, geo.region)
+        sc = _region_max(np.einsum("sgd,bd->sgb", head.q, c), geo.region // block)
+        scan = np.full(len(head.pos), n_reg * geo.region // block)
+        return sc, scan
+
+    return rule
+
+
+def softmax_mean_rule(block: int) -> Rule:
+    """ShadowKV's pooling: per query head softmax over the block scores, then max over the group."""
+
+    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        n_reg = _n_regions(head, geo)
+        c = block_means(head.keys, block, n_reg, geo.region)
+        lg = np.einsum("sgd,bd->sgb", head.q, c) * head.scale
+        lg = np.where(np.repeat(cand, geo.region // block, axis=1)[:, None, :], lg, NEG)
+        lg = lg - lg.max(axis=-1, keepdims=True)
+        p = np.exp(lg)
+        p /= p.sum(axis=-1, keepdims=True)
+        return _region_max(p, geo.region // block), np.full(len(head.pos), n_reg * geo.region // block)
+
+    return rule
+
+
+def quest_rule(block: int) -> Rule:
+    """Quest's bound: per-channel max and min key of each block, sum_d max(q_d*max_d, q_d*min_d)."""
+
+    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        n_reg = _n_regions(head, geo)
+        k = _pad_cells(head.keys, geo.region)[: n_reg * geo.region].reshape(-1, block, head.keys.shape[1])
+        kmax, kmin = k.max(axis=1), k.min(axis=1)
+        sc = np.einsum("sgd,bd->sgb", np.maximum(head.q, 0), kmax) + np.einsum("sgd,bd->sgb", np.minimum(head.q, 0), kmin)
+        return _region_max(sc, geo.region // block), np.full(len(head.pos), 2 * n_reg * geo.region // block)
+
+    return rule
+
+
+def token_max_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+    """Reference: exact q.k of every cell, max over the region and the group (reads all of K)."""
+    n_reg = _n_regions(head, geo)
+    lg = head.logits()
+    lg = np.concatenate([lg, np.full(lg.shape[:2] + (n_reg * geo.region - lg.shape[2],), NEG)], axis=2) \
+        if lg.shape[2] < n_reg * geo.region else lg[:, :, : n_reg * geo.region]
+    return _region_max(lg, geo.region), np.full(len(head.pos), n_reg * geo.region)
+
+
+def sparq_rule(channels: int) -> Rule:
+    """SparQ-style sketch: q.k from the `channels` largest-|q| channels of each query head, max-pooled."""
+
+    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        n_reg = _n_regions(head, geo)
+        keys = _pad_cells(head.keys, geo.region)[: n_reg * geo.region]
+        s, g, d = head.q.shape
+        sc = np.empty((s, g, keys.shape[0]), np.float32)
+        top = np.argsort(-np.abs(head.q), axis=-1)[..., :channels]
+        for i in range(s):
+            for j in range(g):
+                idx = top[i, j]
+                sc[i, j] = keys[:, idx] @ head.q[i, j, idx]
+        return _region_max(sc, geo.region), np.full(len(head.pos), n_reg * geo.region * channels // d)
+
+    return rule
+
+
+def two_level_rule(coarse: int, fine: int, shortlist: int) -> Rule:
+    """Coarse means (one per `coarse` cells) shortlist `shortlist` regions; fine means (one per `fine`
+    cells) rank only the shortlisted regions. Scan: all coarse means + the shortlist's fine means."""
+    coarse_rule, fine_rule = mean_rule(coarse), mean_rule(fine)
+
+    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        n_reg = _n_regions(head, geo)
+        sc0, _ = coarse_rule(head, geo, cand)
+        sc0 = np.where(cand, sc0, NEG)
+        sc1, _ = fine_rule(head, geo, cand)
+        keep = np.zeros_like(cand)
+        for i in range(len(head.pos)):
+            n_short = min(shortlist, int(cand[i].sum()))
+            keep[i, np.argsort(-sc0[i], kind="stable")[:n_short]] = True
+        scan = n_reg * geo.region // coarse + np.minimum(shortlist, cand.sum(axis=1)) * (geo.region // fine)
+        return np.where(keep, sc1, NEG), scan
+
+    return rule
+
+
+def oracle_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+    """Upper bound: the regions holding the most true attention mass, summed over the group."""
+    return region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1), np.zeros(len(head.pos))
+
+
+def all_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+    """Every candidate region (with k at least the number of candidates: dense attention)."""
+    return np.zeros((len(head.pos), _n_regions(head, geo))), np.zeros(len(head.pos))
+
+
+def region_mass(p: np.ndarray, region: int, n_reg: int) -> np.ndarray:
+    """[steps, group, cells] -> [steps, group, n_regions] attention mass per region."""
+    s, g, t = p.shape
+    if t < n_reg * region:
+        p = np.concatenate([p, np.zeros((s, g, n_reg * region - t), p.dtype)], axis=2)
+    return p[:, :, : n_reg * region].reshape(s, g, n_reg, region).sum(axis=-1)
+
+
+RULES: dict[str, Rule] = {
+    "mean16": mean_rule(16),
+    "softmax16": softmax_mean_rule(16),
+    "quest16": quest_rule(16),
+    "mean8": mean_rule(8),
+    "mean4": mean_rule(4),
+    "mean64": mean_rule(64),
+    "sparq16": sparq_rule(16),
+    "two64/4x16": two_level_rule(64, 4, 16),
+    "two64/4x32": two_level_rule(64, 4, 32),
+    "two64/8x32": two_level_rule(64, 8, 32),
+    "two16/4x16": two_level_rule(16, 4, 16),
+    "token": token_max_rule,
+    "oracle": oracle_rule,
+}
+
+
+@dataclass
+class HeadResult:
+    """What one rule selected for one (probe, layer, KV head), per step and query head."""
+
+    tail: np.ndarray  # [steps, group] mass outside sinks and window
+    got: np.ndarray  # [steps, group] of it, the mass in the selected regions
+    fact_mass: np.ndarray  # [steps, group] mass on the asked fact's cells
+    fact_hit: np.ndarray  # [steps, group] the region holding most of that mass was selected (or is fixed)
+    fact_rank: np.ndarray  # [steps] rank of that region (of the group's best head) among the candidates
+    rows_read: np.ndarray  # [steps] K/V rows gathered (cells of fixed + selected regions)
+    rows_scan: np.ndarray  # [steps] key-sized rows of metadata scanned
+    rows_dense: np.ndarray  # [steps] cells a dense step reads
+
+
+def replay(head: Head, geo: Geometry, rule: Rule, top_k: int, fact: tuple[int, int]) -> HeadResult:
+    """Select top_k candidate regions per step with `rule` and measure against exact attention.
+    `fact` is the [start, end) cell span of the asked fact."""
+    n_steps = len(head.pos)
+    n_reg = _n_regions(head, geo)
+    p = head.probs()
+    mass = region_mass(p, geo.region, n_reg)  # [s, g, r]
+    cand = np.zeros((n_steps, n_reg), bool)
+    fixed = np.zeros((n_steps, n_reg), bool)
+    for i, pos in enumerate(head.pos):
+        f, c = geo.fixed_and_candidates(int(pos))
+        fixed[i, f] = True
+        cand[i, c] = True
+    scores, scan = rule(head, geo, cand)
+    scores = np.where(cand, scores, NEG)
+    sel = np.zeros_like(cand)
+    for i in range(n_steps):
+        k = min(top_k, int(cand[i].sum()))
+        order = np.argsort(-scores[i], kind="stable")[:k]
+        sel[i, order[np.isfinite(scores[i, order])]] = True
+    tail = (mass * cand[:, None, :]).sum(-1)
+    got = (mass * sel[:, None, :]).sum(-1)
+
+    f0, f1 = fact
+    fact_cells = p[:, :, f0:f1]
+    fact_mass = fact_cells.sum(-1)
+    region_of = (f0 + fact_cells.argmax(-1)) // geo.region  # [s, g] region holding the head's peak on the fact
+    read = sel | fixed
+    fact_hit = np.take_along_axis(read, region_of, axis=1)
+    best = fact_mass.argmax(axis=1)
+    fr = region_of[np.arange(n_steps), best]
+    higher = (scores > scores[np.arange(n_steps), fr][:, None]) & cand
+    fact_rank = np.where(cand[np.arange(n_steps), fr], higher.sum(axis=1) + 1, 0)
+
+    n_cells = head.pos + 1
+    region_cells = np.clip(n_cells[:, None] - np.arange(n_reg)[None, :] * geo.region, 0, geo.region)
+    rows_read = (region_cells * read).sum(axis=1)
+    return HeadResult(tail, got, fact_mass, fact_hit, fact_rank, rows_read, scan.astype(np.int64), n_cells)
