@@ -27,6 +27,11 @@ MODE_NAMES = {mode.name.lower(): mode for mode in RouteMode}
 CENTROID_BLOCK_ENV = "LLAMA_KV_CENTROID_BLOCK"
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 16
+# Two-level scoring: the KV cache also keeps one coarse centroid per COARSE_BLOCK cells (the mean of
+# its fine ones) when the centroid block is finer; a step scores the coarse ones, shortlists this many
+# regions and ranks only those by their fine centroids (patch 0006). 0 scores every fine centroid.
+COARSE_BLOCK = 64
+DEFAULT_SHORTLIST = 16
 
 FALLBACK_REASONS = {
     0: "",
@@ -54,14 +59,15 @@ class RouteConfig:
     window: int = 128
     sinks: int = 64
     seed: int = 0
+    shortlist: int = DEFAULT_SHORTLIST  # regions the coarse centroids shortlist for the fine ones (0: one level)
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
             raise UsageError(f"unknown route mode {self.mode!r}; choose one of {', '.join(MODE_NAMES)}")
         if self.region <= 0 or self.region & (self.region - 1) or 256 % self.region:
             raise UsageError(f"--region must be a power of two that divides 256 (got {self.region})")
-        if self.top_k < 0 or self.window < 0 or self.sinks < 0:
-            raise UsageError("--top-k, --window and --sinks must not be negative")
+        if self.top_k < 0 or self.window < 0 or self.sinks < 0 or self.shortlist < 0:
+            raise UsageError("--top-k, --window, --sinks and --shortlist must not be negative")
         if not 0 <= self.seed < 2**32:
             raise UsageError(f"--seed must be between 0 and {2**32 - 1} (got {self.seed})")
 
@@ -71,7 +77,8 @@ class RouteConfig:
 
     def apply(self, ctx: ctypes.c_void_p) -> None:
         rc = route_api().llama_kv_route_set(
-            ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF
+            ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF,
+            self.shortlist,
         )
         if rc != 0:
             blk = route_api().llama_kv_route_cent_blk(ctx)

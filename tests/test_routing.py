@@ -67,22 +67,23 @@ def test_engine_is_patched_and_current():
     assert info.current, (info.patchset, info.repo_patchset)
 
 
-def oracle_runs(raw: RawContext, steps: list[int]):
+def oracle_runs(raw: RawContext, steps: list[int], shortlist: int = 0):
     """Prefill N_DOC tokens, then decode `steps` densely, with every region routed, and with one."""
     raw.decode(doc_tokens(N_DOC))
     return [decode_steps(raw, N_DOC, steps, route) for route in (
         RouteConfig(mode="full"),
-        RouteConfig(mode="geometric", top_k=1000, region=64),
-        RouteConfig(mode="geometric", top_k=1, region=64),
+        RouteConfig(mode="geometric", top_k=1000, region=64, shortlist=shortlist),
+        RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist),
     )]
 
 
+@pytest.mark.parametrize("shortlist", [0, 16])  # one scoring pass; two levels (coarse shortlist, fine choice)
 @pytest.mark.parametrize("kv_type, which", [(1, "tiny"), (8, "m64")])
-def test_all_regions_reproduce_dense(tiny_model, model64, kv_type, which):
+def test_all_regions_reproduce_dense(tiny_model, model64, kv_type, which, shortlist):
     path = tiny_model if which == "tiny" else model64
     raw = RawContext(path, n_ctx=2048, kv_type=kv_type)
     try:
-        dense, routed, small = oracle_runs(raw, doc_tokens(12, seed=1))
+        dense, routed, small = oracle_runs(raw, doc_tokens(12, seed=1), shortlist)
     finally:
         raw.close()
     diff = max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, routed))
@@ -130,13 +131,19 @@ def test_geometric_stats_count_centroid_bytes(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        [(_, st)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64))
+        [(_, st)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=0))
+        [(_, two)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=6))
         [(_, rnd)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="random", top_k=4, region=64, seed=7))
     finally:
         raw.close()
     n_layer, n_head_kv, head_dim, cent_blk = 2, 2, 16, 16
     n_reg = st.n_kv // 64
-    assert st.bytes_meta == n_layer * n_reg * (64 // cent_blk) * n_head_kv * head_dim * 2
+    row = n_head_kv * head_dim * 2  # one centroid of every KV head, F16
+    # one pass: every fine centroid; two levels: one coarse centroid per region, then the
+    # shortlist's fine centroids
+    assert st.bytes_meta == n_layer * n_reg * (64 // cent_blk) * row
+    assert two.bytes_meta == n_layer * (n_reg + 6 * (64 // cent_blk)) * row
+    assert two.bytes_kv == st.bytes_kv
     assert st.n_sel == rnd.n_sel == 1 + 2 + 4
     for regions in (st.regions, rnd.regions):
         for layer in range(n_layer):
@@ -208,7 +215,7 @@ def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch)
 
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
     text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(120))
-    route = RouteConfig(mode="geometric", top_k=2, region=64)
+    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0)
 
     def first_step(session):
         for event in session.ask("which value?", route=route, max_tokens=1, want_regions=True):
@@ -226,7 +233,7 @@ def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch)
     assert s64.load_document(text).cache_hit
     st64 = first_step(s64)
     with pytest.raises(UsageError, match="multiple of the centroid block"):
-        next(s64.ask("which value?", route=RouteConfig(region=32), max_tokens=1))
+        next(s64.ask("which value?", route=RouteConfig(region=32, shortlist=0), max_tokens=1))
     s64.close()
     n_layer, n_head_kv, head_dim = 2, 2, 16
     n_reg = st64.n_kv // 64
@@ -269,3 +276,41 @@ def test_iswa_routes_the_full_attention_layers(iswa_model):
     assert win.bytes_meta == 0
     [(_, d)] = dense[:1]
     assert d.rows_read == d.rows_dense and d.n_layer_routed == 0
+
+
+def test_a_full_shortlist_selects_what_one_pass_selects(tiny_model):
+    """With every candidate shortlisted, the fine centroids rank all of them: the regions chosen
+    in two levels are the one-pass choice (an exact oracle for the gather through the shortlist)."""
+    raw = RawContext(tiny_model, n_ctx=2048)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        steps = doc_tokens(4, seed=2)
+        one = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0))
+        two = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=1000))
+    finally:
+        raw.close()
+    for (la, a), (lb, b) in zip(one, two):
+        assert np.array_equal(np.sort(a.regions, axis=-1), np.sort(b.regions, axis=-1))
+        np.testing.assert_allclose(la, lb, rtol=0, atol=1e-5)
+
+
+def test_a_tight_shortlist_follows_the_coarse_centroids(tiny_model, monkeypatch):
+    """With a shortlist of k, the coarse centroids alone choose the regions: the same regions as one
+    pass over centroids of 64 cells (the coarse centroid is the mean of its fine ones, which is the
+    64-cell mean when every cell is filled)."""
+    steps = doc_tokens(3, seed=4)
+    raw = RawContext(tiny_model, n_ctx=2048)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        two = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=3))
+    finally:
+        raw.close()
+    monkeypatch.setenv("LLAMA_KV_CENTROID_BLOCK", "64")
+    raw = RawContext(tiny_model, n_ctx=2048)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        coarse = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0))
+    finally:
+        raw.close()
+    for (_, a), (_, b) in zip(two, coarse):
+        assert np.array_equal(np.sort(a.regions, axis=-1), np.sort(b.regions, axis=-1))

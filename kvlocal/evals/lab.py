@@ -140,8 +140,8 @@ def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], 
                 keys = np.concatenate([cap.doc_keys[il, :, h * dim:(h + 1) * dim].astype(np.float32), k_all[:, il, h]])
                 head = Head(q_all[:, il, h * group:(h + 1) * group], keys, pos, 1.0 / np.sqrt(dim))
                 for name in rules:
-                    for k in budgets:
-                        per[(name, k)].append((il, h, replay(head, geo, RULES[name], k, fact)))
+                    for k, result in replay(head, geo, RULES[name], budgets, fact).items():
+                        per[(name, k)].append((il, h, result))
         for key, results in per.items():
             _accumulate(totals.setdefault(key, RuleTotals([], defaultdict(list), [], [])), results, group)
     return totals

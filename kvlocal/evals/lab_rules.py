@@ -8,8 +8,8 @@ step; the metrics compare what it selects with the exact softmax attention of th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,18 +43,23 @@ class Head:
     keys: np.ndarray  # [cells, dim] F32, cell i at position i
     pos: np.ndarray  # [steps] position of each step's token
     scale: float
+    _cache: dict = field(default_factory=dict, repr=False)
 
     def logits(self) -> np.ndarray:
-        """[steps, group, cells] with -inf where a step does not see the cell."""
-        lg = np.einsum("sgd,td->sgt", self.q, self.keys) * self.scale
-        visible = np.arange(self.keys.shape[0])[None, :] <= self.pos[:, None]
-        return np.where(visible[:, None, :], lg, NEG)
+        """[steps, group, cells] with -inf where a step does not see the cell (computed once)."""
+        if "logits" not in self._cache:
+            lg = np.einsum("sgd,td->sgt", self.q, self.keys) * np.float32(self.scale)
+            visible = np.arange(self.keys.shape[0])[None, :] <= self.pos[:, None]
+            self._cache["logits"] = np.where(visible[:, None, :], lg, np.float32(NEG))
+        return self._cache["logits"]
 
     def probs(self) -> np.ndarray:
-        lg = self.logits()
-        lg = lg - lg.max(axis=-1, keepdims=True)
-        p = np.exp(lg)
-        return p / p.sum(axis=-1, keepdims=True)
+        """Exact softmax attention of every step and query head (computed once)."""
+        if "probs" not in self._cache:
+            lg = self.logits()
+            p = np.exp(lg - lg.max(axis=-1, keepdims=True))
+            self._cache["probs"] = p / p.sum(axis=-1, keepdims=True)
+        return self._cache["probs"]
 
 
 # A rule returns region scores [steps, n_regions] (higher = read first; -inf = never) and the number
@@ -144,13 +149,10 @@ def sparq_rule(channels: int) -> Rule:
     def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         n_reg = _n_regions(head, geo)
         keys = _pad_cells(head.keys, geo.region)[: n_reg * geo.region]
-        s, g, d = head.q.shape
-        sc = np.empty((s, g, keys.shape[0]), np.float32)
-        top = np.argsort(-np.abs(head.q), axis=-1)[..., :channels]
-        for i in range(s):
-            for j in range(g):
-                idx = top[i, j]
-                sc[i, j] = keys[:, idx] @ head.q[i, j, idx]
+        d = head.q.shape[2]
+        top = np.argsort(-np.abs(head.q), axis=-1)[..., :channels]  # [s, g, c]
+        q_top = np.take_along_axis(head.q, top, axis=-1)  # [s, g, c]
+        sc = np.einsum("tsgc,sgc->sgt", keys[:, top], q_top)
         return _region_max(sc, geo.region), np.full(len(head.pos), n_reg * geo.region * channels // d)
 
     return rule
@@ -174,6 +176,27 @@ def two_level_rule(coarse: int, fine: int, shortlist: int) -> Rule:
         return np.where(keep, sc1, NEG), scan
 
     return rule
+
+
+def persistent_rule(rule: Rule, gamma: float) -> Rule:
+    """Selections that persist over the steps: each step's region scores become a softmax over the
+    candidates (at the attention's scale), and a region keeps gamma times its previous value when that
+    is larger, r_s = max(p_s, gamma * r_(s-1)); a region a step found stays chosen for a while."""
+
+    def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        sc, scan = rule(head, geo, cand)
+        z = np.where(cand, sc * head.scale, NEG)
+        z = z - z.max(axis=1, keepdims=True)
+        p = np.where(cand, np.exp(z), 0.0)
+        p /= p.sum(axis=1, keepdims=True)
+        run = np.zeros_like(p)
+        prev = np.zeros(p.shape[1])
+        for i in range(p.shape[0]):
+            prev = np.maximum(p[i], gamma * prev) * cand[i]
+            run[i] = prev
+        return np.where(cand, run, NEG), scan
+
+    return wrapped
 
 
 def oracle_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
@@ -204,8 +227,14 @@ RULES: dict[str, Rule] = {
     "sparq16": sparq_rule(16),
     "two64/4x16": two_level_rule(64, 4, 16),
     "two64/4x32": two_level_rule(64, 4, 32),
+    "two64/4x64": two_level_rule(64, 4, 64),
     "two64/8x32": two_level_rule(64, 8, 32),
     "two16/4x16": two_level_rule(16, 4, 16),
+    "two16/4x32": two_level_rule(16, 4, 32),
+    "mean16+keep.5": persistent_rule(mean_rule(16), 0.5),
+    "mean16+keep.9": persistent_rule(mean_rule(16), 0.9),
+    "mean16+keep1": persistent_rule(mean_rule(16), 1.0),
+    "two64/4x32+keep.9": persistent_rule(two_level_rule(64, 4, 32), 0.9),
     "token": token_max_rule,
     "oracle": oracle_rule,
 }
@@ -225,9 +254,9 @@ class HeadResult:
     rows_dense: np.ndarray  # [steps] cells a dense step reads
 
 
-def replay(head: Head, geo: Geometry, rule: Rule, top_k: int, fact: tuple[int, int]) -> HeadResult:
-    """Select top_k candidate regions per step with `rule` and measure against exact attention.
-    `fact` is the [start, end) cell span of the asked fact."""
+def replay(head: Head, geo: Geometry, rule: Rule, budgets: Sequence[int], fact: tuple[int, int]) -> dict[int, HeadResult]:
+    """Select the top-k candidate regions per step with `rule`, for every k in `budgets`, and measure
+    against exact attention. `fact` is the [start, end) cell span of the asked fact."""
     n_steps = len(head.pos)
     n_reg = _n_regions(head, geo)
     p = head.probs()
@@ -240,26 +269,29 @@ def replay(head: Head, geo: Geometry, rule: Rule, top_k: int, fact: tuple[int, i
         cand[i, c] = True
     scores, scan = rule(head, geo, cand)
     scores = np.where(cand, scores, NEG)
-    sel = np.zeros_like(cand)
-    for i in range(n_steps):
-        k = min(top_k, int(cand[i].sum()))
-        order = np.argsort(-scores[i], kind="stable")[:k]
-        sel[i, order[np.isfinite(scores[i, order])]] = True
+    order = np.argsort(-scores, axis=1, kind="stable")
     tail = (mass * cand[:, None, :]).sum(-1)
-    got = (mass * sel[:, None, :]).sum(-1)
 
     f0, f1 = fact
     fact_cells = p[:, :, f0:f1]
     fact_mass = fact_cells.sum(-1)
     region_of = (f0 + fact_cells.argmax(-1)) // geo.region  # [s, g] region holding the head's peak on the fact
-    read = sel | fixed
-    fact_hit = np.take_along_axis(read, region_of, axis=1)
     best = fact_mass.argmax(axis=1)
     fr = region_of[np.arange(n_steps), best]
     higher = (scores > scores[np.arange(n_steps), fr][:, None]) & cand
     fact_rank = np.where(cand[np.arange(n_steps), fr], higher.sum(axis=1) + 1, 0)
-
     n_cells = head.pos + 1
     region_cells = np.clip(n_cells[:, None] - np.arange(n_reg)[None, :] * geo.region, 0, geo.region)
-    rows_read = (region_cells * read).sum(axis=1)
-    return HeadResult(tail, got, fact_mass, fact_hit, fact_rank, rows_read, scan.astype(np.int64), n_cells)
+
+    results = {}
+    for top_k in budgets:
+        sel = np.zeros_like(cand)
+        for i in range(n_steps):
+            chosen = order[i, : min(top_k, int(cand[i].sum()))]
+            sel[i, chosen[np.isfinite(scores[i, chosen])]] = True
+        read = sel | fixed
+        results[top_k] = HeadResult(
+            tail=tail, got=(mass * sel[:, None, :]).sum(-1), fact_mass=fact_mass,
+            fact_hit=np.take_along_axis(read, region_of, axis=1), fact_rank=fact_rank,
+            rows_read=(region_cells * read).sum(axis=1), rows_scan=scan.astype(np.int64), rows_dense=n_cells)
+    return results

@@ -1,0 +1,106 @@
+"""The routing lab's replay (engine-free, hand-computable cases) and its capture on a tiny model."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+
+from kvlocal.evals import lab_rules
+from kvlocal.evals.lab_rules import Geometry, Head, all_rule, mean_rule, replay, two_level_rule
+
+GEO = Geometry(region=4, sinks=4, window=4)
+
+
+def one_spike_head() -> Head:
+    """24 cells (6 regions of 4): all keys 0 except cell 9 = [10, 0]; one step at position 23, q = [1, 0]."""
+    keys = np.zeros((24, 2), np.float32)
+    keys[9] = [10.0, 0.0]
+    q = np.array([[[1.0, 0.0]]], np.float32)
+    return Head(q=q, keys=keys, pos=np.array([23]), scale=1.0)
+
+
+def test_geometry_matches_the_engine_plan():
+    fixed, cand = GEO.fixed_and_candidates(23)
+    assert fixed.tolist() == [0, 5]
+    assert cand.tolist() == [1, 2, 3, 4]
+    fixed, cand = Geometry(region=64, sinks=64, window=128).fixed_and_candidates(64 * 10 + 3)
+    assert fixed.tolist() == [0, 9, 10]  # the window is the last two used regions, the partial one included
+
+
+def test_one_spike_by_hand():
+    head = one_spike_head()
+    r = replay(head, GEO, mean_rule(4), [1], (9, 10))[1]
+    e = math.exp(10)
+    total = e + 23
+    assert r.tail[0, 0] == pytest.approx((e + 15) / total, rel=1e-6)
+    assert r.got[0, 0] == pytest.approx((e + 3) / total, rel=1e-6)
+    assert r.fact_mass[0, 0] == pytest.approx(e / total, rel=1e-6)
+    assert bool(r.fact_hit[0, 0])
+    assert r.fact_rank.tolist() == [1]
+    assert r.rows_read.tolist() == [12]  # sink region + window region + the selected one, 4 cells each
+    assert r.rows_dense.tolist() == [24]
+    assert r.rows_scan.tolist() == [6]  # one mean per region
+
+
+def test_every_region_selected_recalls_everything():
+    rng = np.random.default_rng(0)
+    head = Head(q=rng.normal(size=(3, 2, 8)).astype(np.float32), keys=rng.normal(size=(40, 8)).astype(np.float32),
+                pos=np.array([37, 38, 39]), scale=0.5)
+    r = replay(head, GEO, all_rule, [100], (10, 12))[100]
+    np.testing.assert_allclose(r.got, r.tail, rtol=1e-6)
+    assert r.fact_hit.all()
+    assert r.rows_read.tolist() == [38, 39, 40]  # every visible cell
+
+
+def test_wrong_region_misses_the_fact():
+    head = one_spike_head()
+    head.q = -head.q  # now the spike is the least attended cell and the least scored region
+    r = replay(head, GEO, mean_rule(4), [1], (9, 10))[1]
+    assert not bool(r.fact_hit[0, 0])
+    assert r.fact_rank.tolist() == [4]
+
+
+def test_two_level_scans_coarse_then_the_shortlist():
+    head = one_spike_head()
+    rule = two_level_rule(4, 2, shortlist=2)  # coarse: one mean per region; fine: two per region
+    r = replay(head, GEO, rule, [1], (9, 10))[1]
+    assert bool(r.fact_hit[0, 0])
+    assert r.rows_scan.tolist() == [6 + 2 * 2]
+
+
+def test_rules_registry_names_callables():
+    assert {"mean16", "mean4", "token", "oracle"} <= set(lab_rules.RULES)
+
+
+def test_capture_on_a_tiny_model(tmp_path):
+    """The eval callback records one Q and K per layer and step; the state parser reads the keys back."""
+    pytest.importorskip("llama_cpp")
+    from synth_gguf import write_tiny_qwen2
+
+    from kvlocal.engine import llama_cpp
+    from kvlocal.evals.lab_capture import QKCapture, state_keys
+
+    path = write_tiny_qwen2(tmp_path / "tiny.gguf", n_embd=128, n_head=2, n_head_kv=1, seed=3)
+    module = llama_cpp()
+    capture = QKCapture(n_layer=2, n_head=2, n_head_kv=1, head_dim=64)
+    with capture.installed():
+        llm = module.Llama(model_path=str(path), n_ctx=256, n_batch=64, n_ubatch=64, flash_attn=True, verbose=False)
+    llm.eval(list(range(1, 41)))  # a prefill of 40 tokens: not recorded
+    capture.active = True
+    for token in (5, 6, 7):
+        llm.eval([token])
+    capture.active = False
+    q, k = capture.steps.arrays()
+    assert q.shape == (3, 2, 2, 64) and k.shape == (3, 2, 1, 64)
+    assert np.isfinite(q).all() and np.abs(q).sum() > 0
+
+    size = module.llama_state_seq_get_size(llm.ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    assert module.llama_state_seq_get_data(llm.ctx, buf, size, 0) == size
+    pos, keys = state_keys(bytes(buf), n_layer=2, n_embd_k_gqa=64)
+    assert pos.tolist() == list(range(43))
+    # the keys the decode steps wrote are the ones the callback saw (F16 in the cache)
+    np.testing.assert_allclose(keys[:, 40:].astype(np.float32), k[:, :, 0].transpose(1, 0, 2), rtol=2e-3, atol=2e-3)
