@@ -12,6 +12,15 @@ import typer
 
 from kvlocal import __version__
 from kvlocal.errors import KvlocalError
+from kvlocal.route_settings import (
+    DEFAULT_CENTROID_BLOCK as CENTROID_BLOCK,
+    DEFAULT_KEEP as KEEP,
+    DEFAULT_REGION as REGION,
+    DEFAULT_SHORTLIST as SHORTLIST,
+    DEFAULT_SINKS as SINKS,
+    DEFAULT_TOP_K as TOP_K,
+    DEFAULT_WINDOW as WINDOW,
+)
 
 app = typer.Typer(
     help="Ask questions about long documents with a local Qwen model that reads only a routed part of its KV cache.",
@@ -67,18 +76,26 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Regions routed per layer 
 RegionOpt = Annotated[int, typer.Option("--region", help="Tokens per region (16, 32, 64, 128 or 256).")]
 WindowOpt = Annotated[int, typer.Option("--window", help="Recent tokens always read (rounded up to regions).")]
 SinksOpt = Annotated[int, typer.Option("--sinks", help="First tokens always read (rounded up to regions).")]
-# = kvlocal.routing.DEFAULT_CENTROID_BLOCK, not imported here so that the CLI starts without the engine
-CENTROID_BLOCK = 16
 CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", help="Tokens per key centroid (4-256); a region is scored from region/block centroids, "
     "so a larger block reads fewer centroid bytes. 0 keeps no centroids: every step is dense.")]
+ShortlistOpt = Annotated[int, typer.Option(
+    "--shortlist", min=0, help="Two-level scoring: one coarse centroid per 64 tokens shortlists this many regions, "
+    "and only their fine centroids (--centroid-block) are scanned to choose --top-k of them; 0 scans every fine "
+    "centroid. Needs a centroid block under 64.")]
+KeepOpt = Annotated[float, typer.Option(
+    "--keep", min=0.0, max=0.999, help="Selection memory over the steps of one answer: a region keeps this share of "
+    "what it scored on the step before, so a region the question found stays read while the answer is copied from "
+    "it. 0 selects afresh at every step.")]
 SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=2**32 - 1, help="Seed for random routing and sampling.")]
 
 
-def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0):
+def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0,
+           shortlist: int = SHORTLIST, keep: float = KEEP):
     from kvlocal.routing import RouteConfig, check_region_block
 
-    config = RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed)
+    config = RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed,
+                         shortlist=shortlist, keep=keep)
     check_region_block(region, centroid_block)
     return config
 
@@ -161,19 +178,21 @@ def ask(
     threads: ThreadsOpt = None,
     kv_type: KvTypeOpt = "f16",
     route: RouteOpt = "geometric",
-    top_k: TopKOpt = 8,
-    region: RegionOpt = 64,
-    window: WindowOpt = 128,
-    sinks: SinksOpt = 64,
+    top_k: TopKOpt = TOP_K,
+    region: RegionOpt = REGION,
+    window: WindowOpt = WINDOW,
+    sinks: SinksOpt = SINKS,
     seed: SeedOpt = 0,
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
+    shortlist: ShortlistOpt = SHORTLIST,
+    keep: KeepOpt = KEEP,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
     from kvlocal.ingest import load_document
     from kvlocal.session import check_ask_settings
 
-    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block)
+    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep)
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
     session = _open_session(model, ctx, threads, kv_type, centroid_block)
@@ -320,11 +339,13 @@ def eval_(
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots (needs matplotlib).")] = True,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
-    top_k: TopKOpt = 8,
-    region: RegionOpt = 64,
-    window: WindowOpt = 128,
-    sinks: SinksOpt = 64,
+    top_k: TopKOpt = TOP_K,
+    region: RegionOpt = REGION,
+    window: WindowOpt = WINDOW,
+    sinks: SinksOpt = SINKS,
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
+    shortlist: ShortlistOpt = SHORTLIST,
+    keep: KeepOpt = KEEP,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
@@ -347,10 +368,11 @@ def eval_(
         lengths=_lengths(lengths), depths=[round(i / (n - 1), 3) for i in range(n)] if not quick else [0.25, 0.5],
         tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=[m.strip() for m in modes.split(",")],
         seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks, sweep=_ints(sweep),
+        shortlist=shortlist, keep=keep,
         max_tokens=max_tokens,
     )
     for mode in config.modes:
-        _route(mode, top_k, region, window, sinks, 0, centroid_block)  # validates
+        _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep)  # validates
     unknown = [t for t in config.tasks if t not in TASKS]
     if unknown or not config.tasks:
         raise UsageError(f"--tasks: {', '.join(unknown) or 'none given'}; choose from {', '.join(TASKS)}")
@@ -389,16 +411,16 @@ def eval_(
 def lab(
     lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k.")] = "8k",
     tasks: Annotated[str, typer.Option("--tasks", help="Eval tasks whose haystacks are captured.")] = "lookalike",
-    depths: Annotated[int, typer.Option("--depths", min=2, help="Facts per haystack, spread from 5% to 90% depth.")] = 8,
+    depths: Annotated[int, typer.Option("--depths", min=2, help="Facts per haystack, from 0% to 100% depth (the haystacks of `kvlocal eval`; facts in the sinks or the window are not counted).")] = 10,
     seeds: Annotated[str, typer.Option("--seeds", help="Haystack seeds.")] = "0",
     rules: Annotated[str, typer.Option("--rules", help="Selection rules to replay (comma-separated), or 'all'.")] = "all",
     budgets: Annotated[str, typer.Option("--budgets", help="Regions selected per layer and KV head.")] = "8",
     out: Annotated[Path, typer.Option("--out", help="Folder for the captures (.npz) and lab.json.")] = Path("kvlocal-lab"),
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
-    region: RegionOpt = 64,
-    window: WindowOpt = 128,
-    sinks: SinksOpt = 64,
+    region: RegionOpt = REGION,
+    window: WindowOpt = WINDOW,
+    sinks: SinksOpt = SINKS,
 ) -> None:
     """Routing lab: capture the dense model's real queries and keys once per haystack, then replay selection rules offline.
 
@@ -426,7 +448,7 @@ def lab(
     if not ks or min(ks) < 1:
         raise UsageError("--budgets: give positive region counts, e.g. 4,8")
     geo = Geometry(region=region, sinks=sinks, window=window)
-    depth_list = [round(0.05 + 0.85 * i / (depths - 1), 3) for i in range(depths)]
+    depth_list = [round(i / (depths - 1), 3) for i in range(depths)]  # as `kvlocal eval` plants them
     out.mkdir(parents=True, exist_ok=True)
     session = None
     totals: dict = {}
@@ -463,11 +485,13 @@ def bench(
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Answer tokens timed per run.")] = 48,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
-    top_k: TopKOpt = 8,
-    region: RegionOpt = 64,
-    window: WindowOpt = 128,
-    sinks: SinksOpt = 64,
+    top_k: TopKOpt = TOP_K,
+    region: RegionOpt = REGION,
+    window: WindowOpt = WINDOW,
+    sinks: SinksOpt = SINKS,
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
+    shortlist: ShortlistOpt = SHORTLIST,
+    keep: KeepOpt = KEEP,
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
 ) -> None:
@@ -479,7 +503,7 @@ def bench(
     from kvlocal.evals.runner import make_case
     from kvlocal.progress import human_bytes
 
-    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block)
+    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep)
     context_lengths = _lengths(lengths)
     if out:
         _check_out_file(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -10,6 +11,19 @@ import numpy as np
 
 from kvlocal.engine import RouteStatsC, route_api
 from kvlocal.errors import UsageError
+from kvlocal.route_settings import (  # noqa: F401  (re-exported for the session, evals and TUI)
+    CENTROID_BLOCKS,
+    COARSE_BLOCK,
+    DEFAULT_CENTROID_BLOCK,
+    DEFAULT_KEEP,
+    DEFAULT_MODE,
+    DEFAULT_REGION,
+    DEFAULT_SHORTLIST,
+    DEFAULT_SINKS,
+    DEFAULT_TOP_K,
+    DEFAULT_WINDOW,
+    MODES,
+)
 
 
 class RouteMode(IntEnum):
@@ -21,17 +35,8 @@ class RouteMode(IntEnum):
 
 MODE_NAMES = {mode.name.lower(): mode for mode in RouteMode}
 
-# The KV cache keeps one mean key per block of this many cells (per layer and KV head); a region's
-# score is its best block, so a region of R tokens is scored from R/block centroids. Fixed when a
-# context is created: the engine reads it from the environment then (patch 0003).
+# the engine reads the centroid block from the environment when a context is created (patch 0003)
 CENTROID_BLOCK_ENV = "LLAMA_KV_CENTROID_BLOCK"
-CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
-DEFAULT_CENTROID_BLOCK = 16
-# Two-level scoring: the KV cache also keeps one coarse centroid per COARSE_BLOCK cells (the mean of
-# its fine ones) when the centroid block is finer; a step scores the coarse ones, shortlists this many
-# regions and ranks only those by their fine centroids (patch 0006). 0 scores every fine centroid.
-COARSE_BLOCK = 64
-DEFAULT_SHORTLIST = 16
 
 FALLBACK_REASONS = {
     0: "",
@@ -53,13 +58,14 @@ def check_region_block(region: int, centroid_block: int) -> None:
 class RouteConfig:
     """How decode steps read the KV cache. Window and sinks are in tokens, rounded up to regions."""
 
-    mode: str = "geometric"
-    region: int = 64
-    top_k: int = 8
-    window: int = 128
-    sinks: int = 64
+    mode: str = DEFAULT_MODE
+    region: int = DEFAULT_REGION
+    top_k: int = DEFAULT_TOP_K
+    window: int = DEFAULT_WINDOW
+    sinks: int = DEFAULT_SINKS
     seed: int = 0
     shortlist: int = DEFAULT_SHORTLIST  # regions the coarse centroids shortlist for the fine ones (0: one level)
+    keep: float = DEFAULT_KEEP  # selection memory: decay per step of a region's remembered share (0: none)
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
@@ -68,6 +74,8 @@ class RouteConfig:
             raise UsageError(f"--region must be a power of two that divides 256 (got {self.region})")
         if self.top_k < 0 or self.window < 0 or self.sinks < 0 or self.shortlist < 0:
             raise UsageError("--top-k, --window, --sinks and --shortlist must not be negative")
+        if not (math.isfinite(self.keep) and 0 <= self.keep < 1):
+            raise UsageError(f"--keep must be at least 0 and below 1 (got {self.keep})")
         if not 0 <= self.seed < 2**32:
             raise UsageError(f"--seed must be between 0 and {2**32 - 1} (got {self.seed})")
 
@@ -78,7 +86,7 @@ class RouteConfig:
     def apply(self, ctx: ctypes.c_void_p) -> None:
         rc = route_api().llama_kv_route_set(
             ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF,
-            self.shortlist,
+            self.shortlist, self.keep,
         )
         if rc != 0:
             blk = route_api().llama_kv_route_cent_blk(ctx)
@@ -87,7 +95,12 @@ class RouteConfig:
     def describe(self) -> str:
         if self.route_mode == RouteMode.FULL:
             return "full (dense attention)"
-        return f"{self.mode}: top-{self.top_k} regions of {self.region} tokens + {self.sinks} sink + {self.window} window tokens"
+        text = f"{self.mode}: top-{self.top_k} regions of {self.region} tokens + {self.sinks} sink + {self.window} window tokens"
+        if self.route_mode == RouteMode.GEOMETRIC and self.shortlist:
+            text += f", shortlist {self.shortlist}"
+        if self.route_mode == RouteMode.GEOMETRIC and self.keep:
+            text += f", keep {self.keep:g}"
+        return text
 
 
 @dataclass

@@ -253,11 +253,22 @@ def test_ask_does_not_import_textual(cache_dir, doc, tiny_model):
     assert out.stdout.strip() == "False"
 
 
-def test_cli_centroid_block_default_is_the_sessions():
-    from kvlocal import cli
-    from kvlocal.routing import DEFAULT_CENTROID_BLOCK
+def test_cli_route_defaults_come_from_one_place():
+    """The CLI's defaults are route_settings' names, and RouteConfig's defaults the same ones."""
+    from kvlocal import cli, route_settings
+    from kvlocal.routing import RouteConfig
 
-    assert cli.CENTROID_BLOCK == DEFAULT_CENTROID_BLOCK
+    assert cli.CENTROID_BLOCK is route_settings.DEFAULT_CENTROID_BLOCK
+    default = RouteConfig()
+    assert (default.top_k, default.region, default.window, default.sinks, default.shortlist, default.keep) == (
+        cli.TOP_K, cli.REGION, cli.WINDOW, cli.SINKS, cli.SHORTLIST, cli.KEEP)
+
+
+def test_route_settings_import_nothing_heavy():
+    code = "import sys, kvlocal.route_settings; print(any(m in sys.modules for m in ('numpy', 'ctypes', 'llama_cpp')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_cli_threads_bound_is_the_sessions():

@@ -116,7 +116,9 @@ def cuda_supports(n: dict) -> bool:
         )
     if op == "MUL_MAT":
         return s[1]["type"] == F32
-    return op in {"ADD", "MUL", "SCALE", "REPEAT", "ARANGE", "POOL_2D", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
+    if op == "ABS":  # a unary op: contiguous f32/f16 rows
+        return s[0]["type"] in FLOATS
+    return op in {"ADD", "SUB", "MUL", "SCALE", "REPEAT", "ARANGE", "POOL_2D", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
 
 
 def metal_supports(n: dict) -> bool:
@@ -140,7 +142,9 @@ def metal_supports(n: dict) -> bool:
         return s[0]["ne"][0] in (32, 64, 128) and s[1]["type"] == s[2]["type"] and s[1]["type"] in {F16, Q8_0}
     if op == "MUL_MAT":
         return s[1]["type"] == F32
-    return op in {"ADD", "MUL", "REPEAT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
+    if op == "ABS":  # a unary op: contiguous f32/f16 rows
+        return s[0]["type"] in FLOATS
+    return op in {"ADD", "SUB", "MUL", "REPEAT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +190,8 @@ def _vendored_ggml() -> Path | None:
 @pytest.mark.skipif(_vendored_ggml() is None, reason="the engine sources are not unpacked (vendor/build_engine.py)")
 def test_backends_still_list_the_ops_we_use():
     src = _vendored_ggml()
-    used = {"GET_ROWS", "SET_ROWS", "CPY", "CONT", "CONCAT", "TOP_K", "FLASH_ATTN_EXT", "MUL_MAT", "ADD", "SCALE",
-            "REPEAT", "ARANGE", "POOL_2D"}
+    used = {"GET_ROWS", "SET_ROWS", "CPY", "CONT", "CONCAT", "TOP_K", "FLASH_ATTN_EXT", "MUL_MAT", "ADD", "SUB", "SCALE",
+            "REPEAT", "ARANGE", "POOL_2D", "SOFT_MAX", "UNARY"}
     for path, fn in [
         (src / "ggml-cuda" / "ggml-cuda.cu", "ggml_backend_cuda_device_supports_op"),
         (src / "ggml-metal" / "ggml-metal-device.m", "ggml_metal_device_supports_op"),

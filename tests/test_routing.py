@@ -24,7 +24,7 @@ from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
 GPU_OPS = {
     "NONE", "ADD", "MUL", "SCALE", "CPY", "CONT", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE",
     "GET_ROWS", "SET_ROWS", "MUL_MAT", "TOP_K", "CONCAT", "REPEAT", "ARANGE", "POOL_2D",
-    "FLASH_ATTN_EXT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX",
+    "FLASH_ATTN_EXT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX", "SUB", "ABS",
 }
 
 N_DOC = 1500
@@ -131,8 +131,9 @@ def test_geometric_stats_count_centroid_bytes(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        [(_, st)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=0))
-        [(_, two)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=6))
+        [(_, st)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=0, keep=0))
+        [(_, two)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=6,
+                                                               keep=0))
         [(_, rnd)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="random", top_k=4, region=64, seed=7))
     finally:
         raw.close()
@@ -215,7 +216,7 @@ def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch)
 
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
     text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(120))
-    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0)
+    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0)
 
     def first_step(session):
         for event in session.ask("which value?", route=route, max_tokens=1, want_regions=True):
@@ -285,8 +286,8 @@ def test_a_full_shortlist_selects_what_one_pass_selects(tiny_model):
     try:
         raw.decode(doc_tokens(N_DOC))
         steps = doc_tokens(4, seed=2)
-        one = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0))
-        two = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=1000))
+        one = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0, keep=0))
+        two = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=1000, keep=0))
     finally:
         raw.close()
     for (la, a), (lb, b) in zip(one, two):
@@ -302,15 +303,59 @@ def test_a_tight_shortlist_follows_the_coarse_centroids(tiny_model, monkeypatch)
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        two = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=3))
+        two = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=3, keep=0))
     finally:
         raw.close()
     monkeypatch.setenv("LLAMA_KV_CENTROID_BLOCK", "64")
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        coarse = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0))
+        coarse = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0, keep=0))
     finally:
         raw.close()
     for (_, a), (_, b) in zip(two, coarse):
         assert np.array_equal(np.sort(a.regions, axis=-1), np.sort(b.regions, axis=-1))
+
+
+def test_selection_memory_is_forgotten_when_the_question_is_rewound(tiny_model):
+    """keep > 0 carries each region's share from step to step; removing the answer's cells (a new
+    question) forgets it, so the same steps after a rewind choose the same regions again, while
+    the memory does change what later steps choose."""
+    raw = RawContext(tiny_model, n_ctx=2048)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        steps = doc_tokens(8, seed=3)
+        kept = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=8, keep=0.999)
+        first = decode_steps(raw, N_DOC, steps, kept)
+        again = decode_steps(raw, N_DOC, steps, kept)
+        fresh = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=2, region=64, shortlist=8, keep=0))
+        one_pass = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0,
+                                                                 keep=0.95))
+    finally:
+        raw.close()
+    for (la, a), (lb, b) in zip(first, again):
+        assert np.array_equal(a.regions, b.regions)
+        np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6)
+    # the first step has nothing to remember: the same choice as without memory
+    assert np.array_equal(np.sort(first[0][1].regions, -1), np.sort(fresh[0][1].regions, -1))
+    assert any(not np.array_equal(np.sort(a.regions, -1), np.sort(b.regions, -1))
+               for (_, a), (_, b) in zip(first[1:], fresh[1:])), "the memory never changed a choice"
+    # the memory is read and written back: 2 x n_reg floats per KV head and layer, beside the centroids
+    n_reg = first[0][1].n_kv // 64
+    assert first[0][1].bytes_meta == fresh[0][1].bytes_meta + 2 * 2 * n_reg * 2 * 4
+    assert all(s.n_layer_routed == s.n_layer for _, s in one_pass)
+
+
+@pytest.mark.parametrize("shortlist", [0, 16])
+def test_all_regions_with_memory_reproduce_dense(tiny_model, shortlist):
+    raw = RawContext(tiny_model, n_ctx=2048)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        steps = doc_tokens(5, seed=1)
+        dense = decode_steps(raw, N_DOC, steps, RouteConfig(mode="full"))
+        routed = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1000, region=64,
+                                                              shortlist=shortlist, keep=0.9))
+    finally:
+        raw.close()
+    diff = max(float(np.max(np.abs(a - b))) for (a, _), (b, _) in zip(dense, routed))
+    assert diff <= 5e-3

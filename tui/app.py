@@ -24,6 +24,7 @@ from textual.widgets import Footer, Header, Input, OptionList
 
 from kvlocal.errors import CancelledError, KvlocalError
 from kvlocal.progress import human_seconds
+from kvlocal.route_settings import DEFAULT_MODE, MODES
 from kvlocal.routing import RouteConfig
 from kvlocal.tui.answer_log import AnswerEntry, AnswerLog, route_label
 from kvlocal.tui.counters import ReadCounters
@@ -47,7 +48,8 @@ from kvlocal.tui.messages import (
 from kvlocal.tui.region_view import RegionView
 from kvlocal.tui.sources import Source, SourcesList, rank_sources
 
-MODES = ("geometric", "full", "window", "random")
+# the order the mode key cycles through: the default first
+MODE_CYCLE = (DEFAULT_MODE,) + tuple(m for m in MODES if m != DEFAULT_MODE)
 TOP_K_STEPS = (0, 1, 2, 4, 8, 16, 32, 64)
 DRAIN_INTERVAL = 0.08  # seconds between heatmap / answer repaints while decoding
 
@@ -553,7 +555,7 @@ class KvlocalApp(App[None]):
     # -- route controls -----------------------------------------------------------------------------
 
     def action_cycle_mode(self) -> None:
-        mode = MODES[(MODES.index(self.route.mode) + 1) % len(MODES)]
+        mode = MODE_CYCLE[(MODE_CYCLE.index(self.route.mode) + 1) % len(MODE_CYCLE)]
         self.route = replace(self.route, mode=mode)
         self._route_changed()
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvlocal.route_settings import DEFAULT_REGION, DEFAULT_SINKS, DEFAULT_WINDOW
+
 NEG = -np.inf
 
 
@@ -20,9 +22,9 @@ NEG = -np.inf
 class Geometry:
     """Region layout of the routed decode (the engine's plan, llama-kv-cache.cpp route_plan)."""
 
-    region: int = 64
-    sinks: int = 64
-    window: int = 128
+    region: int = DEFAULT_REGION
+    sinks: int = DEFAULT_SINKS
+    window: int = DEFAULT_WINDOW
 
     def fixed_and_candidates(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
         """Region ids every head reads (sinks, window) and the ones routing chooses from, for a
@@ -178,7 +180,7 @@ def two_level_rule(coarse: int, fine: int, shortlist: int) -> Rule:
     return rule
 
 
-def persistent_rule(rule: Rule, gamma: float) -> Rule:
+def persistent_rule(rule: Rule, gamma: float, combine: str = "max") -> Rule:
     """Selections that persist over the steps: each step's region scores become a softmax over the
     candidates (at the attention's scale), and a region keeps gamma times its previous value when that
     is larger, r_s = max(p_s, gamma * r_(s-1)); a region a step found stays chosen for a while."""
@@ -192,7 +194,7 @@ def persistent_rule(rule: Rule, gamma: float) -> Rule:
         run = np.zeros_like(p)
         prev = np.zeros(p.shape[1])
         for i in range(p.shape[0]):
-            prev = np.maximum(p[i], gamma * prev) * cand[i]
+            prev = (np.maximum(p[i], gamma * prev) if combine == "max" else p[i] + gamma * prev) * cand[i]
             run[i] = prev
         return np.where(cand, run, NEG), scan
 
@@ -235,6 +237,13 @@ RULES: dict[str, Rule] = {
     "mean16+keep.9": persistent_rule(mean_rule(16), 0.9),
     "mean16+keep1": persistent_rule(mean_rule(16), 1.0),
     "two64/4x32+keep.9": persistent_rule(two_level_rule(64, 4, 32), 0.9),
+    "two64/4x16+keep.9": persistent_rule(two_level_rule(64, 4, 16), 0.9),
+    "two64/4x32+keep.7": persistent_rule(two_level_rule(64, 4, 32), 0.7),
+    "two64/4x32+keep.97": persistent_rule(two_level_rule(64, 4, 32), 0.97),
+    "two64/8x32+keep.9": persistent_rule(two_level_rule(64, 8, 32), 0.9),
+    "mean4+keep.9": persistent_rule(mean_rule(4), 0.9),
+    "two64/4x32+sum.9": persistent_rule(two_level_rule(64, 4, 32), 0.9, "sum"),
+    "two64/4x32+sum.7": persistent_rule(two_level_rule(64, 4, 32), 0.7, "sum"),
     "token": token_max_rule,
     "oracle": oracle_rule,
 }

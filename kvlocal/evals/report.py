@@ -9,9 +9,8 @@ from pathlib import Path
 from statistics import mean
 
 from kvlocal.atomic import write_text_atomic
-from kvlocal.routing import DEFAULT_CENTROID_BLOCK
+from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, MODES
 
-MODES_ORDER = ("full", "geometric", "window", "random")
 Z95 = 1.959964  # the standard normal quantile of a two-sided 95 % interval
 
 
@@ -179,7 +178,7 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
                      and (r["mode"] != "geometric" or block(r) == b0)]
         lengths = sorted({r["length"] for r in task_rows})
         depths = sorted({r["depth"] for r in task_rows})
-        modes = [m for m in MODES_ORDER if any(r["mode"] == m for r in task_rows)]
+        modes = [m for m in MODES if any(r["mode"] == m for r in task_rows)]
         fig, axes = plt.subplots(1, len(modes), figsize=(3.2 * len(modes), 3.4), squeeze=False)
         for ax, mode in zip(axes[0], modes):
             grid = [[_cell(task_rows, mode, length, d) for length in lengths] for d in depths]
@@ -230,7 +229,7 @@ def _outside_window(row: dict) -> bool:
 
 
 def _mode_rank(mode: str) -> int:
-    return MODES_ORDER.index(mode) if mode in MODES_ORDER else len(MODES_ORDER)
+    return MODES.index(mode) if mode in MODES else len(MODES)
 
 
 def _first(values):

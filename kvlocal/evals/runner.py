@@ -15,10 +15,19 @@ from pathlib import Path
 
 from kvlocal.errors import UsageError
 from kvlocal.evals.tasks import Case, build_case, score
-from kvlocal.routing import DEFAULT_CENTROID_BLOCK, RouteConfig
+from kvlocal.route_settings import (
+    DEFAULT_CENTROID_BLOCK,
+    DEFAULT_KEEP,
+    DEFAULT_REGION,
+    DEFAULT_SHORTLIST,
+    DEFAULT_SINKS,
+    DEFAULT_TOP_K,
+    DEFAULT_WINDOW,
+    MODES,
+)
+from kvlocal.routing import RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
 
-MODES = ("full", "geometric", "window", "random")
 
 # answer room per task: Qwen writes numbers digit by digit, and some tasks ask for several
 ANSWER_TOKENS = {"passkey": 24, "multikey": 24, "lookalike": 24, "multiquery": 40, "vartrack": 48, "multivalue": 64,
@@ -33,11 +42,13 @@ class GridConfig:
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     modes: list[str] = field(default_factory=lambda: list(MODES))
     seeds: list[int] = field(default_factory=lambda: [0])
-    top_k: int = 8
-    region: int = 64
-    window: int = 128
-    sinks: int = 64
+    top_k: int = DEFAULT_TOP_K
+    region: int = DEFAULT_REGION
+    window: int = DEFAULT_WINDOW
+    sinks: int = DEFAULT_SINKS
     sweep: list[int] = field(default_factory=list)  # extra geometric budgets (top-k values)
+    shortlist: int = DEFAULT_SHORTLIST  # two-level scoring (0: one pass over every fine centroid)
+    keep: float = DEFAULT_KEEP  # selection memory (0: none)
     max_tokens: int | None = None  # None: ANSWER_TOKENS[task]
 
     def routes(self) -> Iterator[RouteConfig]:
@@ -49,7 +60,8 @@ class GridConfig:
                     yield self.route("geometric", k)
 
     def route(self, mode: str, top_k: int) -> RouteConfig:
-        return RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks)
+        return RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks,
+                           shortlist=self.shortlist, keep=self.keep)
 
 
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
@@ -83,7 +95,9 @@ def answer_tokens(config: GridConfig, task: str) -> int:
 def row_key(row: dict) -> tuple:
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
             row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", DEFAULT_CENTROID_BLOCK),
-            row.get("max_tokens", task_answer_tokens(row["task"])))  # older rows ran at the task's default
+            row.get("max_tokens", task_answer_tokens(row["task"])),  # older rows ran at the task's default
+            row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
+            row.get("keep", 0.0))  # ... and selected afresh at every step
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -150,7 +164,8 @@ def _key(length, task, seed, probe_index, route, haystack_name, centroid_block, 
     """row_key of the row that asking this probe would write."""
     return row_key({"length": length, "task": task, "seed": seed, "probe": probe_index, "mode": route.mode,
                     "top_k": route.top_k, "region": route.region, "window": route.window, "sinks": route.sinks,
-                    "haystack": haystack_name, "centroid_block": centroid_block, "max_tokens": max_tokens})
+                    "haystack": haystack_name, "centroid_block": centroid_block, "max_tokens": max_tokens,
+                    "shortlist": route.shortlist, "keep": route.keep})
 
 
 def _load(session: Session, case: Case, length: int, seed: int, log) -> dict:

@@ -1,0 +1,33 @@
+"""Routing settings and their defaults: the one place to change them.
+
+No numpy, ctypes or engine import here, so the CLI can read the defaults for its --help without
+loading anything. `routing.RouteConfig` validates and applies them; the CLI, session, evals, bench
+and TUI all read these names.
+"""
+
+from __future__ import annotations
+
+# routing modes: geometric is kvlocal's routing, full the dense reference, window and random the controls
+MODES = ("full", "geometric", "window", "random")
+DEFAULT_MODE = "geometric"
+
+DEFAULT_TOP_K = 8  # regions routed per layer and KV head
+DEFAULT_REGION = 64  # tokens per region (the unit gathered)
+DEFAULT_WINDOW = 128  # recent tokens always read (rounded up to regions)
+DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
+
+# The KV cache keeps one mean key per block of this many cells (per layer and KV head); a region's
+# score is its best block. Fixed when a context is created (patch 0003).
+CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
+DEFAULT_CENTROID_BLOCK = 16
+
+# Two-level scoring (patch 0006): with a centroid block finer than COARSE_BLOCK the cache also keeps
+# one coarse centroid per COARSE_BLOCK cells (the mean of its fine ones); a step scores the coarse
+# ones, shortlists this many regions and ranks only those by their fine centroids. 0: one pass
+# over every fine centroid.
+COARSE_BLOCK = 64
+DEFAULT_SHORTLIST = 16
+
+# Selection memory (patch 0007): a step's region scores become a softmax and a region keeps
+# max(its share now, KEEP x what it had the step before). 0 selects afresh at every step.
+DEFAULT_KEEP = 0.9
