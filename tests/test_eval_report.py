@@ -34,6 +34,7 @@ def test_sweep_counts_centroid_block_as_part_of_the_budget():
     assert len(geo) == 1 and geo[0]["n"] == 1 and geo[0]["reduction"] == 1000 / 80  # the block-16 row only
     [sweep] = summary["sweep"]
     assert [(p["top_k"], p["centroid_block"]) for p in sweep["points"]] == [(4, 16), (2, 64), (4, 64)]
+    assert sweep["scoring_at_match"] == "/b64"
     # the matching budget with the largest reduction: top-4 with one centroid per 64 tokens
     assert (sweep["smallest_matching_top_k"], sweep["centroid_block_at_match"]) == (4, 64)
     text = report.markdown(summary)
@@ -103,4 +104,24 @@ def test_sweep_points_carry_their_interval_and_a_differing_n():
     assert [(p["top_k"], p["n"], p["accuracy_ci"]) for p in sweep["points"]] == [
         (2, 4, report.wilson_interval(0.75, 4)), (8, 2, report.wilson_interval(1.0, 2))]
     text = report.markdown(report.summarize(rows))
-    assert "| 100% [51–100] (n=4) | 2: 75% [30–95] x10.0, 8: 100% [34–100] n=2 x10.0 |" in text
+    # rows without shortlist and keep scanned every centroid and kept no memory: labelled so
+    assert "| 100% [51–100] (n=4) | 2/b16: 75% [30–95] x10.0, 8/b16: 100% [34–100] n=2 x10.0 |" in text
+
+
+def test_scoring_configurations_are_told_apart():
+    """Two-level scoring and the selection memory are part of a budget point; the default scoring
+    makes the main cells and carries no label."""
+    from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_KEEP, DEFAULT_SHORTLIST
+
+    default = {"centroid_block": DEFAULT_CENTROID_BLOCK, "shortlist": DEFAULT_SHORTLIST, "keep": DEFAULT_KEEP}
+    rows = [
+        _row("full", 1.0, bytes_read=1000),
+        _row("window", 0.0, bytes_read=50),
+        dict(_row("geometric", 1.0, bytes_read=60), **default),
+        dict(_row("geometric", 0.0, bytes_read=80), centroid_block=16, shortlist=0, keep=0.0),
+    ]
+    summary = report.summarize(rows)
+    [geo] = [c for c in summary["cells"] if c["mode"] == "geometric"]
+    assert geo["accuracy"] == 1.0
+    labels = sorted(report.scoring_label(p) for p in summary["sweep"][0]["points"])
+    assert labels == ["", "/b16"]

@@ -9,7 +9,7 @@ from pathlib import Path
 from statistics import mean
 
 from kvlocal.atomic import write_text_atomic
-from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, MODES
+from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_KEEP, DEFAULT_SHORTLIST, MODES
 
 Z95 = 1.959964  # the standard normal quantile of a two-sided 95 % interval
 
@@ -24,6 +24,23 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
 def block(row: dict) -> int:
     """The row's centroid block (rows written before it was recorded used the default)."""
     return row.get("centroid_block", DEFAULT_CENTROID_BLOCK)
+
+
+def scoring(row: dict) -> tuple[int, int, float]:
+    """How a geometric row scored regions: (centroid block, shortlist, keep); rows written before
+    two-level scoring and the selection memory scanned every centroid and kept no memory."""
+    return block(row), row.get("shortlist", 0), row.get("keep", 0.0)
+
+
+DEFAULT_SCORING = (DEFAULT_CENTROID_BLOCK, DEFAULT_SHORTLIST, DEFAULT_KEEP)
+
+
+def scoring_label(point: dict) -> str:
+    """'' for the default scoring, else e.g. '/b16' or '/b4 s32 keep 0.9'."""
+    b, s, k = point["centroid_block"], point.get("shortlist", 0), point.get("keep", 0.0)
+    if (b, s, k) == DEFAULT_SCORING:
+        return ""
+    return f"/b{b}" + (f" s{s}" if s else "") + (f" keep {k:g}" if k else "")
 
 
 def wilson_interval(accuracy: float, n: int, z: float = Z95) -> list[float]:
@@ -50,20 +67,21 @@ def main_budget(rows: list[dict]) -> int | None:
     return min(ks) if ks else None
 
 
-def main_block(rows: list[dict]) -> int:
-    """The centroid block of the main geometric cells: the default one if it ran, else the smallest."""
-    blocks = {block(r) for r in rows if r["mode"] == "geometric"}
-    if DEFAULT_CENTROID_BLOCK in blocks or not blocks:
-        return DEFAULT_CENTROID_BLOCK
-    return min(blocks)
+def main_scoring(rows: list[dict]) -> tuple[int, int, float]:
+    """The scoring of the main geometric cells: the default one if it ran, else one with the default
+    centroid block, else the one with the smallest block."""
+    ran = {scoring(r) for r in rows if r["mode"] == "geometric"}
+    if DEFAULT_SCORING in ran or not ran:
+        return DEFAULT_SCORING
+    return min(ran, key=lambda s: (s[0] != DEFAULT_CENTROID_BLOCK, s))
 
 
 def summarize(rows: list[dict]) -> dict:
     """Accuracy, reads and speed per (length, task, mode) at the main budget, plus the sweep."""
     k0 = main_budget(rows)
-    b0 = main_block(rows)
+    s0 = main_scoring(rows)
     main = [r for r in rows if r["mode"] == "full" or
-            ((r["top_k"] == k0 or k0 is None) and (r["mode"] != "geometric" or block(r) == b0))]
+            ((r["top_k"] == k0 or k0 is None) and (r["mode"] != "geometric" or scoring(r) == s0))]
     cells = []
     for (length, task, mode), group in sorted(_group(main, "length", "task", "mode").items(),
                                               key=lambda kv: (kv[0][0], kv[0][1], _mode_rank(kv[0][2]))):
@@ -79,7 +97,8 @@ def summarize(rows: list[dict]) -> dict:
             "decode_tps": mean(r["decode_tps"] for r in group),
             "prefill_tps": _first([r["prefill_tps"] for r in group]),
         })
-    return {"main_top_k": k0, "main_centroid_block": b0, "cells": cells, "sweep": sweep(rows)}
+    return {"main_top_k": k0, "main_centroid_block": s0[0], "main_shortlist": s0[1], "main_keep": s0[2],
+            "cells": cells, "sweep": sweep(rows)}
 
 
 def sweep(rows: list[dict]) -> list[dict]:
@@ -92,9 +111,10 @@ def sweep(rows: list[dict]) -> list[dict]:
             continue
         full_acc = dense["accuracy"]
         points = []
-        geo = [dict(r, centroid_block=block(r)) for r in group if r["mode"] == "geometric"]
-        for (b, k), g in sorted(_group(geo, "centroid_block", "top_k").items()):
-            points.append({"top_k": k, "centroid_block": b, **_accuracy(g),
+        geo = [dict(r, centroid_block=block(r), shortlist=r.get("shortlist", 0), keep=r.get("keep", 0.0))
+               for r in group if r["mode"] == "geometric"]
+        for (b, s, kp, k), g in sorted(_group(geo, "centroid_block", "shortlist", "keep", "top_k").items()):
+            points.append({"top_k": k, "centroid_block": b, "shortlist": s, "keep": kp, **_accuracy(g),
                            "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in g)})
         matching = [p for p in points if p["accuracy"] >= full_acc - 1e-9]
         best = max(matching, key=lambda p: p["reduction"]) if matching else None
@@ -102,6 +122,7 @@ def sweep(rows: list[dict]) -> list[dict]:
                     "full_accuracy_ci": dense["accuracy_ci"], "points": points,
                     "smallest_matching_top_k": best["top_k"] if best else None,
                     "centroid_block_at_match": best["centroid_block"] if best else None,
+                    "scoring_at_match": scoring_label(best) if best else None,
                     "reduction_at_match": best["reduction"] if best else None})
     return out
 
@@ -127,8 +148,8 @@ def markdown(summary: dict) -> str:
                   "|---:|---|---:|---|---:|---:|"]
         for s in summary["sweep"]:
             pts = ", ".join(_point_text(p, s["full_n"]) for p in s["points"])
-            k = "–" if s["smallest_matching_top_k"] is None else _budget(
-                {"top_k": s["smallest_matching_top_k"], "centroid_block": s.get("centroid_block_at_match")})
+            k = "–" if s["smallest_matching_top_k"] is None else (
+                f"{s['smallest_matching_top_k']}{s.get('scoring_at_match') or ''}")
             red = "–" if s["reduction_at_match"] is None else f"{s['reduction_at_match']:.1f}x"
             full = _accuracy_text(s["full_accuracy"], s["full_accuracy_ci"], s["full_n"])
             lines.append(f"| {s['length']:,} | {s['task']} | {full} | {pts} | {k} | {red} |")
@@ -152,8 +173,7 @@ def _point_text(point: dict, full_n: int) -> str:
 
 
 def _budget(point: dict) -> str:
-    b = point.get("centroid_block") or DEFAULT_CENTROID_BLOCK
-    return str(point["top_k"]) if b == DEFAULT_CENTROID_BLOCK else f"{point['top_k']}/b{b}"
+    return f"{point['top_k']}{scoring_label(point)}"
 
 
 def write_json(summary: dict, path: Path) -> None:
@@ -172,10 +192,11 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     k0 = summary["main_top_k"]
-    b0 = summary.get("main_centroid_block", DEFAULT_CENTROID_BLOCK)
+    s0 = (summary.get("main_centroid_block", DEFAULT_CENTROID_BLOCK), summary.get("main_shortlist", 0),
+          summary.get("main_keep", 0.0))
     for task in sorted({r["task"] for r in rows if r["depth"] >= 0}):
         task_rows = [r for r in rows if r["task"] == task and (r["mode"] == "full" or r["top_k"] == k0)
-                     and (r["mode"] != "geometric" or block(r) == b0)]
+                     and (r["mode"] != "geometric" or scoring(r) == s0)]
         lengths = sorted({r["length"] for r in task_rows})
         depths = sorted({r["depth"] for r in task_rows})
         modes = [m for m in MODES if any(r["mode"] == m for r in task_rows)]
@@ -197,9 +218,9 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
     if any(s["points"] for s in summary["sweep"]):
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         for s in summary["sweep"]:
-            for b in sorted({p["centroid_block"] for p in s["points"]}):
-                pts = sorted((p for p in s["points"] if p["centroid_block"] == b), key=lambda p: p["reduction"])
-                tag = "" if b == DEFAULT_CENTROID_BLOCK else f", block {b}"
+            for lab in sorted({scoring_label(p) for p in s["points"]}):
+                pts = sorted((p for p in s["points"] if scoring_label(p) == lab), key=lambda p: p["reduction"])
+                tag = f", {lab.lstrip('/')}" if lab else ""
                 ax.plot([p["reduction"] for p in pts], [p["accuracy"] for p in pts], marker="o",
                         label=f"{s['task']} {s['length'] // 1024}k{tag} (full {s['full_accuracy']:.0%})")
         ax.set_xscale("log", base=2)
@@ -257,3 +278,20 @@ def check_ordering(summary: dict, tolerance: float = 0.0) -> list[str]:
                     f"{cell['accuracy_outside_window']:.0%} outside the window"
                 )
     return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m kvlocal.evals.report results.jsonl ...`: one table over the rows of several runs."""
+    import sys
+
+    from kvlocal.evals.runner import load_rows
+
+    paths = [Path(a) for a in (argv if argv is not None else sys.argv[1:])]
+    if not paths:
+        raise SystemExit("usage: python -m kvlocal.evals.report RESULTS.jsonl [...]")
+    rows = [r for p in paths for r in load_rows(p)]
+    print(markdown(summarize(rows)))
+
+
+if __name__ == "__main__":
+    main()
