@@ -125,3 +125,6 @@ def test_scoring_configurations_are_told_apart():
     assert geo["accuracy"] == 1.0
     labels = sorted(report.scoring_label(p) for p in summary["sweep"][0]["points"])
     assert labels == ["", "/b16"]
+    table = report.points_markdown(summary)
+    assert "| 4,096 | passkey | top-4, default scoring | 100% [21–100] (n=1) | 100% [21–100] (n=1) | 16.7x |" in table
+    assert "| 4,096 | passkey | top-4, b16 | 0% [0–79] (n=1) |" in table

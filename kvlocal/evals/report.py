@@ -107,6 +107,7 @@ def sweep(rows: list[dict]) -> list[dict]:
     out = []
     for (length, task), group in sorted(_group(rows, "length", "task").items()):
         dense = _accuracy([r for r in group if r["mode"] == "full"])
+        dense_far = _accuracy([r for r in group if r["mode"] == "full" and _outside_window(r)])
         if not dense["n"]:
             continue
         full_acc = dense["accuracy"]
@@ -114,12 +115,17 @@ def sweep(rows: list[dict]) -> list[dict]:
         geo = [dict(r, centroid_block=block(r), shortlist=r.get("shortlist", 0), keep=r.get("keep", 0.0))
                for r in group if r["mode"] == "geometric"]
         for (b, s, kp, k), g in sorted(_group(geo, "centroid_block", "shortlist", "keep", "top_k").items()):
+            far = _accuracy([r for r in g if _outside_window(r)])
             points.append({"top_k": k, "centroid_block": b, "shortlist": s, "keep": kp, **_accuracy(g),
+                           "accuracy_outside_window": far["accuracy"], "n_outside": far["n"],
+                           "accuracy_outside_window_ci": far["accuracy_ci"],
                            "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in g)})
         matching = [p for p in points if p["accuracy"] >= full_acc - 1e-9]
         best = max(matching, key=lambda p: p["reduction"]) if matching else None
         out.append({"length": length, "task": task, "full_accuracy": full_acc, "full_n": dense["n"],
                     "full_accuracy_ci": dense["accuracy_ci"], "points": points,
+                    "full_accuracy_outside_window": dense_far["accuracy"], "full_n_outside": dense_far["n"],
+                    "full_accuracy_outside_window_ci": dense_far["accuracy_ci"],
                     "smallest_matching_top_k": best["top_k"] if best else None,
                     "centroid_block_at_match": best["centroid_block"] if best else None,
                     "scoring_at_match": scoring_label(best) if best else None,
@@ -153,6 +159,25 @@ def markdown(summary: dict) -> str:
             red = "–" if s["reduction_at_match"] is None else f"{s['reduction_at_match']:.1f}x"
             full = _accuracy_text(s["full_accuracy"], s["full_accuracy_ci"], s["full_n"])
             lines.append(f"| {s['length']:,} | {s['task']} | {full} | {pts} | {k} | {red} |")
+    return "\n".join(lines)
+
+
+def points_markdown(summary: dict) -> str:
+    """One row per geometric budget point (top-k and scoring), beside full: accuracy, accuracy on the
+    facts outside the sinks and window, and the KV bytes reduction."""
+    lines = ["| length | task | route | accuracy [95 % CI] (n) | acc. outside window [95 % CI] (n) | KV bytes reduction |",
+             "|---:|---|---|---:|---:|---:|"]
+    for s in summary["sweep"]:
+        far = _accuracy_text(s.get("full_accuracy_outside_window"), s.get("full_accuracy_outside_window_ci"),
+                             s.get("full_n_outside", 0))
+        lines.append(f"| {s['length']:,} | {s['task']} | full | "
+                     f"{_accuracy_text(s['full_accuracy'], s['full_accuracy_ci'], s['full_n'])} | {far} | 1.0x |")
+        for p in sorted(s["points"], key=lambda p: (scoring_label(p), p["top_k"])):
+            label = scoring_label(p).lstrip("/") or "default scoring"
+            far = _accuracy_text(p.get("accuracy_outside_window"), p.get("accuracy_outside_window_ci"),
+                                 p.get("n_outside", 0))
+            lines.append(f"| {s['length']:,} | {s['task']} | top-{p['top_k']}, {label} | "
+                         f"{_accuracy_text(p['accuracy'], p['accuracy_ci'], p['n'])} | {far} | {p['reduction']:.1f}x |")
     return "\n".join(lines)
 
 
@@ -290,7 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     if not paths:
         raise SystemExit("usage: python -m kvlocal.evals.report RESULTS.jsonl [...]")
     rows = [r for p in paths for r in load_rows(p)]
-    print(markdown(summarize(rows)))
+    summary = summarize(rows)
+    print(markdown(summary))
+    print()
+    print(points_markdown(summary))
 
 
 if __name__ == "__main__":
