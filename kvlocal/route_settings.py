@@ -19,14 +19,14 @@ DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
 # The KV cache keeps one mean key per block of this many cells (per layer and KV head); a region's
 # score is its best block. Fixed when a context is created (patch 0003).
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
-DEFAULT_CENTROID_BLOCK = 16
+DEFAULT_CENTROID_BLOCK = 4
 
 # Two-level scoring (patch 0006): with a centroid block finer than COARSE_BLOCK the cache also keeps
 # one coarse centroid per COARSE_BLOCK cells (the mean of its fine ones); a step scores the coarse
 # ones, shortlists this many regions and ranks only those by their fine centroids. 0: one pass
 # over every fine centroid.
 COARSE_BLOCK = 64
-DEFAULT_SHORTLIST = 16
+DEFAULT_SHORTLIST = 32
 
 # Selection memory (patch 0007): a step's region scores become a softmax and a region keeps
 # max(its share now, KEEP x what it had the step before). 0 selects afresh at every step.

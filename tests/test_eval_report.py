@@ -42,19 +42,24 @@ def test_sweep_counts_centroid_block_as_part_of_the_budget():
     assert report.check_ordering(summary) == []
 
 
-def test_main_cells_use_the_default_block_when_finer_ones_ran_too():
+def test_main_cells_use_the_default_scoring_when_others_ran_too():
+    from kvlocal.route_settings import DEFAULT_KEEP, DEFAULT_SHORTLIST
+
+    default = dict(_row("geometric", 0.0, block=report.DEFAULT_CENTROID_BLOCK, bytes_read=80, bytes_meta=30),
+                   shortlist=DEFAULT_SHORTLIST, keep=DEFAULT_KEEP)
     rows = [
         _row("full", 1.0, bytes_read=1000),
         _row("window", 0.0, bytes_read=50),
-        _row("geometric", 0.0, block=16, bytes_read=80, bytes_meta=30),
+        default,
         _row("geometric", 1.0, block=8, bytes_read=110, bytes_meta=60),
+        _row("geometric", 1.0, block=16, bytes_read=110, bytes_meta=60),
     ]
     summary = report.summarize(rows)
-    assert summary["main_centroid_block"] == 16
+    assert summary["main_centroid_block"] == report.DEFAULT_CENTROID_BLOCK
     [geo] = [c for c in summary["cells"] if c["mode"] == "geometric"]
     assert geo["accuracy"] == 0.0 and geo["reduction"] == 1000 / 80
-    # without a default-block row, the smallest block run makes the main cells
-    assert report.summarize([r for r in rows if r.get("centroid_block") != 16])["main_centroid_block"] == 8
+    # without a row of the default scoring, the finest block run makes the main cells
+    assert report.summarize([r for r in rows if r is not default])["main_centroid_block"] == 8
 
 
 @pytest.mark.parametrize("successes, n", [(12, 24), (0, 10), (10, 10), (3, 11), (1, 1)])

@@ -21,9 +21,13 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     return groups
 
 
+# rows written before the centroid block was recorded ran with one centroid per 16 tokens
+BLOCK_BEFORE_RECORDED = 16
+
+
 def block(row: dict) -> int:
-    """The row's centroid block (rows written before it was recorded used the default)."""
-    return row.get("centroid_block", DEFAULT_CENTROID_BLOCK)
+    """The row's centroid block."""
+    return row.get("centroid_block", BLOCK_BEFORE_RECORDED)
 
 
 def scoring(row: dict) -> tuple[int, int, float]:
@@ -68,12 +72,12 @@ def main_budget(rows: list[dict]) -> int | None:
 
 
 def main_scoring(rows: list[dict]) -> tuple[int, int, float]:
-    """The scoring of the main geometric cells: the default one if it ran, else one with the default
-    centroid block, else the one with the smallest block."""
+    """The scoring of the main geometric cells: the default one if it ran, else the one with the
+    smallest centroid block (the finest)."""
     ran = {scoring(r) for r in rows if r["mode"] == "geometric"}
     if DEFAULT_SCORING in ran or not ran:
         return DEFAULT_SCORING
-    return min(ran, key=lambda s: (s[0] != DEFAULT_CENTROID_BLOCK, s))
+    return min(ran)
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -26,6 +26,9 @@ from kvlocal.route_settings import (
     MODES,
 )
 from kvlocal.routing import RouteConfig
+
+# rows written before the centroid block was recorded ran with one centroid per 16 tokens
+BLOCK_BEFORE_RECORDED = 16
 from kvlocal.session import ANSWER_RESERVE, Session
 
 
@@ -94,7 +97,7 @@ def answer_tokens(config: GridConfig, task: str) -> int:
 
 def row_key(row: dict) -> tuple:
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
-            row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", DEFAULT_CENTROID_BLOCK),
+            row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", BLOCK_BEFORE_RECORDED),
             row.get("max_tokens", task_answer_tokens(row["task"])),  # older rows ran at the task's default
             row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
             row.get("keep", 0.0))  # ... and selected afresh at every step
