@@ -359,3 +359,29 @@ def test_all_regions_with_memory_reproduce_dense(tiny_model, shortlist):
         raw.close()
     diff = max(float(np.max(np.abs(a - b))) for (a, _), (b, _) in zip(dense, routed))
     assert diff <= 5e-3
+
+
+def test_selection_memory_lasts_through_the_sessions_steps(tiny_model, tmp_path, monkeypatch):
+    """Session.ask decodes through llama-cpp-python's eval(), which removes the cells past its token
+    count before every batch (a removal that finds nothing): the memory must survive that, change
+    what later steps choose, and be forgotten by the next question's rewind (same choices again)."""
+    from kvlocal.session import Session
+
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
+    text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(120))
+    session = Session(str(tiny_model), threads=2)
+    session.load_document(text, use_cache=False)
+
+    def regions(keep):
+        route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=8, keep=keep)
+        steps = [e.stats for e in session.ask("which value is it?", route=route, max_tokens=6, want_regions=True)
+                 if getattr(e, "stats", None) is not None]
+        return [np.sort(s.regions, axis=-1) for s in steps]
+
+    try:
+        kept, again, fresh = regions(0.999), regions(0.999), regions(0.0)
+    finally:
+        session.close()
+    assert len(kept) == len(fresh) > 2
+    assert all(np.array_equal(a, b) for a, b in zip(kept, again))
+    assert any(not np.array_equal(a, b) for a, b in zip(kept, fresh)), "the memory never changed a choice"
