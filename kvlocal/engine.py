@@ -122,6 +122,29 @@ class RouteStatsC(ctypes.Structure):
 
 
 @functools.cache
+def ggml_lib() -> ctypes.CDLL:
+    """libggml-base beside the loaded libllama, with the tensor accessors that eval callbacks use."""
+    from pathlib import Path
+
+    lib_dir = Path(llama_cpp().llama_cpp._lib._name).parent
+    found = sorted(lib_dir.glob("libggml-base.so*")) + sorted(lib_dir.glob("libggml-base.dylib")) + sorted(
+        lib_dir.glob("ggml-base.dll"))
+    if not found:
+        raise EngineError(f"libggml-base not found beside {lib_dir}")
+    lib = ctypes.CDLL(str(found[0]))
+    for name, argtypes, restype in (
+        ("ggml_get_name", [ctypes.c_void_p], ctypes.c_char_p),
+        ("ggml_op_desc", [ctypes.c_void_p], ctypes.c_char_p),
+        ("ggml_type_name", [ctypes.c_int], ctypes.c_char_p),
+        ("ggml_nelements", [ctypes.c_void_p], ctypes.c_int64),
+        ("ggml_backend_tensor_get", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t], None),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+@functools.cache
 def route_api() -> ctypes.CDLL:
     """The routing functions of the loaded library, with their signatures set."""
     lib = llama_cpp().llama_cpp._lib

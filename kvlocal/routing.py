@@ -11,10 +11,7 @@ import numpy as np
 
 from kvlocal.engine import RouteStatsC, route_api
 from kvlocal.errors import UsageError
-from kvlocal.route_settings import (  # noqa: F401  (re-exported for the session, evals and TUI)
-    CENTROID_BLOCKS,
-    COARSE_BLOCK,
-    DEFAULT_CENTROID_BLOCK,
+from kvlocal.route_settings import (
     DEFAULT_KEEP,
     DEFAULT_MODE,
     DEFAULT_REGION,
@@ -22,7 +19,6 @@ from kvlocal.route_settings import (  # noqa: F401  (re-exported for the session
     DEFAULT_SINKS,
     DEFAULT_TOP_K,
     DEFAULT_WINDOW,
-    MODES,
 )
 
 

@@ -24,15 +24,8 @@ from kvlocal.engine import llama_cpp, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.prompt import PromptParts, build_prompt
-from kvlocal.routing import (
-    CENTROID_BLOCK_ENV,
-    CENTROID_BLOCKS,
-    DEFAULT_CENTROID_BLOCK,
-    ReadStats,
-    RouteConfig,
-    check_region_block,
-    read_stats,
-)
+from kvlocal.route_settings import CENTROID_BLOCKS, DEFAULT_CENTROID_BLOCK
+from kvlocal.routing import CENTROID_BLOCK_ENV, ReadStats, RouteConfig, check_region_block, read_stats
 
 KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
 ANSWER_RESERVE = 768  # context tokens kept free for a question and its answer

@@ -5,20 +5,11 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from kvlocal.engine import llama_cpp
+from kvlocal.engine import ggml_lib, llama_cpp
 
 
 def ggml_base() -> ctypes.CDLL:
-    module = llama_cpp()
-    lib_dir = Path(module.__file__).parent / "lib"
-    lib = ctypes.CDLL(str(next(lib_dir.glob("libggml-base.so*"))))
-    lib.ggml_op_desc.argtypes = [ctypes.c_void_p]
-    lib.ggml_op_desc.restype = ctypes.c_char_p
-    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_get_name.restype = ctypes.c_char_p
-    lib.ggml_type_name.argtypes = [ctypes.c_int]
-    lib.ggml_type_name.restype = ctypes.c_char_p
-    return lib
+    return ggml_lib()
 
 
 class GraphRecorder:

@@ -9,15 +9,13 @@ the cache holds. Nothing here routes: the capture runs dense decoding, the refer
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from kvlocal.engine import llama_cpp
+from kvlocal.engine import ggml_lib, llama_cpp
 from kvlocal.errors import EngineError
 
 GGML_TYPE_F32 = 0
@@ -36,28 +34,6 @@ class CapturedSteps:
         return np.stack(self.q), np.stack(self.k)
 
 
-def _ggml_lib() -> ctypes.CDLL:
-    """libggml-base beside the loaded libllama (the tensor accessors the callback needs)."""
-    lib_dir = Path(llama_cpp().llama_cpp._lib._name).parent
-    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
-        if (lib_dir / name).exists():
-            lib = ctypes.CDLL(str(lib_dir / name))
-            break
-    else:
-        raise EngineError(f"libggml-base not found beside {lib_dir}")
-    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_get_name.restype = ctypes.c_char_p
-    lib.ggml_op_desc.argtypes = [ctypes.c_void_p]
-    lib.ggml_op_desc.restype = ctypes.c_char_p
-    lib.ggml_nelements.argtypes = [ctypes.c_void_p]
-    lib.ggml_nelements.restype = ctypes.c_int64
-    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    lib.ggml_nbytes.restype = ctypes.c_size_t
-    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-    lib.ggml_backend_tensor_get.restype = None
-    return lib
-
-
 class QKCapture:
     """An eval callback that records the roped Q and K of every layer of single-token graphs.
 
@@ -71,7 +47,7 @@ class QKCapture:
         self._q = np.zeros((n_layer, n_head, head_dim), np.float32)
         self._k = np.zeros((n_layer, n_head_kv, head_dim), np.float32)
         self._seen = 0
-        self._lib = _ggml_lib()
+        self._lib = ggml_lib()
         self._callback = llama_cpp().llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
 
     def reset(self) -> None:

@@ -16,7 +16,6 @@ from pathlib import Path
 from kvlocal.errors import UsageError
 from kvlocal.evals.tasks import Case, build_case, score
 from kvlocal.route_settings import (
-    DEFAULT_CENTROID_BLOCK,
     DEFAULT_KEEP,
     DEFAULT_REGION,
     DEFAULT_SHORTLIST,
