@@ -424,9 +424,7 @@ def lab(
 ) -> None:
     """Routing lab: capture the dense model's real queries and keys once per haystack, then replay selection rules offline.
 
-    Prints, per rule and budget, the attention-mass recall of the heads that reach beyond the sinks and window,
-    whether the asked fact's region is selected for the heads that read it, and the KV bytes the rule would read
-    (scanned metadata included). Captures are kept in OUT, so a second run replays without the engine.
+    Per rule and budget: the attention-mass recall of the heads that reach beyond the sinks and window, whether the asked fact's region is read by the heads that attend to it, and the KV bytes the rule would read (metadata included). Captures stay in OUT: a second run replays without the engine.
     """
     import json
 

@@ -336,3 +336,22 @@ def test_eval_resumes_and_keys_on_max_tokens(cache_dir, tiny_model, tmp_path):
     assert len((out / "results.jsonl").read_text().splitlines()) == n
     assert run(*args, "--max-tokens", "3").exit_code == 0  # another answer budget is another row
     assert len((out / "results.jsonl").read_text().splitlines()) == 2 * n
+
+
+def test_lab_refuses_bad_settings_before_any_work(tmp_path):
+    out = tmp_path / "lab"
+    for args, says in ((["--rules", "mean16,nope"], "--rules: nope"), (["--budgets", "0"], "--budgets"),
+                       (["--tasks", "cwe"], "--tasks"), (["--depths", "1"], "")):
+        result = run("lab", "--out", str(out), *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert says in result.output + result.stderr
+    assert not out.exists()
+
+
+def test_route_settings_reach_the_engine_call(tiny_model, doc):
+    """--shortlist and --keep are refused when out of range and accepted otherwise."""
+    assert ask(doc, tiny_model, "--keep", "1.5").exit_code == 2
+    assert ask(doc, tiny_model, "--shortlist", "-1").exit_code == 2
+    result = ask(doc, tiny_model, "--shortlist", "4", "--keep", "0.5")
+    assert result.exit_code == 0, result.stderr
+    assert "shortlist 4, keep 0.5" in result.stderr
