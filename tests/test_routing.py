@@ -222,7 +222,7 @@ def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch)
         for event in session.ask("which value?", route=route, max_tokens=1, want_regions=True):
             return event.stats
 
-    s16 = Session(str(tiny_model), threads=2)
+    s16 = Session(str(tiny_model), threads=2, centroid_block=16)
     assert not s16.load_document(text).cache_hit  # saves the state
     st16 = first_step(s16)
     s16.close()
