@@ -3,6 +3,7 @@ and the narrower id of what decides the bytes prefill writes into the KV cache."
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from pathlib import Path
@@ -61,6 +62,7 @@ def repo_patchset_id() -> str | None:
     return patchset_id(patches) if patches else None
 
 
+@functools.cache
 def repo_kv_state_id() -> str | None:
     """kv_state_id of this checkout's patches/ and pin, or None for an install without them."""
     patches = patch_files()

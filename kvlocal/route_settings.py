@@ -21,11 +21,10 @@ DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 4
 
-# Two-level scoring (patch 0006): with a centroid block finer than COARSE_BLOCK the cache also keeps
-# one coarse centroid per COARSE_BLOCK cells (the mean of its fine ones); a step scores the coarse
-# ones, shortlists this many regions and ranks only those by their fine centroids. 0: one pass
-# over every fine centroid.
-COARSE_BLOCK = 64
+# Two-level scoring (patch 0006): with a centroid block finer than 64 cells (the engine's
+# LLAMA_KV_CENT_COARSE_BLK) the cache also keeps one coarse centroid per 64 cells (the mean of its
+# fine ones); a step scores the coarse ones, shortlists this many regions and ranks only those by
+# their fine centroids. 0: one pass over every fine centroid.
 DEFAULT_SHORTLIST = 32
 
 # Selection memory (patch 0007): a step's region scores become a softmax and a region keeps

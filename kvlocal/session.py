@@ -23,6 +23,7 @@ from kvlocal import kvstate
 from kvlocal.engine import llama_cpp, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.models import ResolvedModel, resolve_model
+from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, build_prompt
 from kvlocal.route_settings import CENTROID_BLOCKS, DEFAULT_CENTROID_BLOCK
 from kvlocal.routing import CENTROID_BLOCK_ENV, ReadStats, RouteConfig, check_region_block, read_stats
@@ -215,8 +216,6 @@ class Session:
         return min(self.trained_ctx, -(-needed // CTX_ROUND) * CTX_ROUND)
 
     def state_key(self, text: str, n_ctx: int) -> kvstate.StateKey:
-        from kvlocal.patchset import repo_kv_state_id
-
         # an engine built from this checkout is keyed by what decides its prefilled K/V bytes (the
         # pin and the patches not marked `Prefill-KV: unchanged`), so a routing-only rebuild keeps
         # the saved states; any other engine by its whole build id

@@ -86,7 +86,7 @@ def capture_case(session, case: Case, name: str, max_tokens: int, log: Callable[
     with capture.installed():
         result = session.load_document(case.text, label=f"lab {name}")
     log(f"{name}: {result.n_tokens:,} tokens ({'cached state' if result.cache_hit else f'prefilled in {result.seconds:.0f} s'})")
-    pos, doc_keys = state_keys(session._get_state(), info.n_layer, info.n_head_kv * head_dim)
+    _, doc_keys = state_keys(session._get_state(), info.n_layer, info.n_head_kv * head_dim)
     qs, ks, facts, correct = [], [], [], []
     for probe in case.probes:
         capture.reset()

@@ -24,10 +24,8 @@ from kvlocal.route_settings import (
     DEFAULT_WINDOW,
     MODES,
 )
+from kvlocal.evals.report import BLOCK_BEFORE_RECORDED
 from kvlocal.routing import RouteConfig
-
-# rows written before the centroid block was recorded ran with one centroid per 16 tokens
-BLOCK_BEFORE_RECORDED = 16
 from kvlocal.session import ANSWER_RESERVE, Session
 
 
