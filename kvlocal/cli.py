@@ -13,6 +13,7 @@ import typer
 from kvlocal import __version__
 from kvlocal.errors import KvlocalError
 from kvlocal.route_settings import (
+    CENTROID_BLOCKS,
     DEFAULT_CENTROID_BLOCK as CENTROID_BLOCK,
     DEFAULT_KEEP as KEEP,
     DEFAULT_REGION as REGION,
@@ -20,6 +21,15 @@ from kvlocal.route_settings import (
     DEFAULT_SINKS as SINKS,
     DEFAULT_TOP_K as TOP_K,
     DEFAULT_WINDOW as WINDOW,
+    MAX_ANSWER_TOKENS,
+    MAX_CTX,
+    MAX_REGION,
+    MAX_SEED,
+    MAX_SHORTLIST,
+    MAX_SINKS,
+    MAX_TOP_K,
+    MAX_WINDOW,
+    MIN_CTX,
 )
 
 app = typer.Typer(
@@ -63,7 +73,8 @@ ModelOpt = Annotated[
     Optional[str], typer.Option("--model", "-m", help="Model alias (see `kvlocal models`) or path to a GGUF file.")
 ]
 CtxOpt = Annotated[
-    Optional[int], typer.Option("--ctx", help="Context size in tokens (default: fit the document; max: the model's).")
+    Optional[int], typer.Option("--ctx", min=MIN_CTX, max=MAX_CTX,
+                                help="Context size in tokens (default: fit the document; max: the model's).")
 ]
 # = kvlocal.session.MAX_THREADS (not imported, as CENTROID_BLOCK below)
 MAX_THREADS = 256
@@ -72,22 +83,35 @@ KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or
 RouteOpt = Annotated[
     str, typer.Option("--route", help="geometric (routed), full (dense), window or random (controls).")
 ]
-TopKOpt = Annotated[int, typer.Option("--top-k", help="Regions routed per layer and KV head.")]
-RegionOpt = Annotated[int, typer.Option("--region", help="Tokens per region (16, 32, 64, 128 or 256).")]
-WindowOpt = Annotated[int, typer.Option("--window", help="Recent tokens always read (rounded up to regions).")]
-SinksOpt = Annotated[int, typer.Option("--sinks", help="First tokens always read (rounded up to regions).")]
+# Every number is bounded here (a usage error, exit 2, before any work) by route_settings' limits,
+# which RouteConfig enforces too: past them a value would wrap silently in the engine's 32-bit ints.
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, max=MAX_TOP_K, help="Regions routed per layer and KV head.")]
+RegionOpt = Annotated[int, typer.Option("--region", min=1, max=MAX_REGION, help="Tokens per region (16, 32, 64, 128 or 256).")]
+WindowOpt = Annotated[int, typer.Option("--window", min=0, max=MAX_WINDOW, help="Recent tokens always read (rounded up to regions).")]
+SinksOpt = Annotated[int, typer.Option("--sinks", min=0, max=MAX_SINKS, help="First tokens always read (rounded up to regions).")]
 CentroidBlockOpt = Annotated[int, typer.Option(
-    "--centroid-block", help="Tokens per key centroid (4-256); a region is scored from region/block centroids, "
+    "--centroid-block", min=0, max=max(CENTROID_BLOCKS),
+    help="Tokens per key centroid (4-256); a region is scored from region/block centroids, "
     "so a larger block reads fewer centroid bytes. 0 keeps no centroids: every step is dense.")]
 ShortlistOpt = Annotated[int, typer.Option(
-    "--shortlist", min=0, help="Two-level scoring: one coarse centroid per 64 tokens shortlists this many regions, "
+    "--shortlist", min=0, max=MAX_SHORTLIST, help="Two-level scoring: one coarse centroid per 64 tokens shortlists this many regions, "
     "and only their fine centroids (--centroid-block) are scanned to choose --top-k of them; 0 scans every fine "
     "centroid. Needs a centroid block under 64.")]
 KeepOpt = Annotated[float, typer.Option(
     "--keep", min=0.0, max=0.999, help="Selection memory over the steps of one answer: a region keeps this share of "
     "what it scored on the step before, so a region the question found stays read while the answer is copied from "
     "it. 0 selects afresh at every step.")]
-SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=2**32 - 1, help="Seed for random routing and sampling.")]
+SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=MAX_SEED, help="Seed for random routing and sampling.")]
+
+
+def _text_arg(text: str) -> str:
+    """A free-text argument as valid Unicode: bytes that are not UTF-8 (a Latin-1 terminal's é reaches
+    argv as a lone surrogate, surrogateescape) become U+FFFD, so they cannot fail later in the
+    tokenizer or on output. Paths are not passed through this: they must still open their file."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate that surrogateescape did not make
+        return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0,
@@ -173,7 +197,7 @@ def ask(
     question: Annotated[str, typer.Argument(help="The question to answer from the document.")],
     model: ModelOpt = None,
     ctx: CtxOpt = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most answer tokens.")] = 256,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     threads: ThreadsOpt = None,
     kv_type: KvTypeOpt = "f16",
@@ -193,6 +217,7 @@ def ask(
     from kvlocal.session import check_ask_settings
 
     route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep)
+    question = _text_arg(question)  # the document stays as given: a path
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
     session = _open_session(model, ctx, threads, kv_type, centroid_block)
@@ -255,8 +280,12 @@ def doctor() -> None:
     print(f"GPU offload: {'yes' if info.gpu_offload else 'no'}")
     print(f"system: {info.system_info}")
     print(f"default model {DEFAULT_ALIAS}: {model_status(DEFAULT_ALIAS)}")
-    entries = kvstate.list_entries()
-    print(f"cache dir: {paths.cache_root()} ({len(entries)} saved KV states)")
+    try:
+        entries = kvstate.list_entries()
+    except KvlocalError as e:  # e.g. KVLOCAL_CACHE_DIR names a file: report it with the rest
+        print(f"cache dir: UNUSABLE: {e}")
+    else:
+        print(f"cache dir: {paths.cache_root()} ({len(entries)} saved KV states)")
 
 
 @cache_app.command("list")
@@ -294,9 +323,35 @@ def tui(
     threads: ThreadsOpt = None,
 ) -> None:
     """The interactive app: load, ask, and watch which KV regions each step reads."""
+    _check_terminal()  # before textual is imported
     from kvlocal.tui.app import run_app
 
-    run_app(document=document, model=model, threads=threads)
+    code = run_app(document=document, model=model, threads=threads)
+    if code:  # 130: interrupted (SIGINT or ctrl+c)
+        if code == 130:
+            err("kvlocal: interrupted")
+        raise typer.Exit(code)
+
+
+TUI_NEEDS_TERMINAL = ("kvlocal tui needs an interactive terminal (stdin and stdout must be a TTY, TERM not 'dumb'); "
+                      "use `kvlocal ask` for scripts")
+
+
+def _check_terminal() -> None:
+    """Refuse to start the app where no one can drive it (a pipe, a file, TERM=dumb): it would run until
+    killed and write its escapes into the pipe."""
+    import os
+
+    from kvlocal.errors import UsageError
+
+    def is_tty(stream) -> bool:
+        try:
+            return stream is not None and stream.isatty()
+        except (AttributeError, ValueError, OSError):  # closed or replaced stream
+            return False
+
+    if not (is_tty(sys.stdin) and is_tty(sys.stdout)) or os.environ.get("TERM", "") == "dumb":
+        raise UsageError(TUI_NEEDS_TERMINAL)
 
 
 def _ints(text: str) -> list[int]:
@@ -308,7 +363,18 @@ def _ints(text: str) -> list[int]:
         raise UsageError(f"expected a comma-separated list of numbers, got {text!r}") from None
 
 
+def _bounded(option: str, values: list[int], low: int, high: int) -> list[int]:
+    """A list option's values, each checked before any work (UsageError naming the option)."""
+    from kvlocal.errors import UsageError
+
+    bad = [v for v in values if not low <= v <= high]
+    if bad:
+        raise UsageError(f"{option}: {', '.join(map(str, bad))} not between {low} and {high:,}")
+    return values
+
+
 MIN_EVAL_LENGTH = 2048  # room for the needles of 11 depths, the question and the answer
+MAX_DEPTHS = 101  # needle depths (facts per haystack): one per percent
 
 
 def _lengths(text: str) -> list[int]:
@@ -321,7 +387,7 @@ def _lengths(text: str) -> list[int]:
     if short:
         raise UsageError(f"context lengths must be at least 2k (the haystack needs room for its needles, "
                          f"the question and the answer), got {', '.join(map(str, short))}")
-    return lengths
+    return _bounded("--lengths", lengths, MIN_EVAL_LENGTH, MAX_CTX)  # the model's context is checked later
 
 
 @app.command("eval")
@@ -329,7 +395,7 @@ def _lengths(text: str) -> list[int]:
 def eval_(
     quick: Annotated[bool, typer.Option("--quick", help="2k, two depths, passkey, top-4 (in place of --lengths, --depths, --tasks, --top-k): a few minutes; checks the ordering.")] = False,
     lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4k,8k,16k,32k.")] = "4k,8k,16k,32k",
-    depths: Annotated[int, typer.Option("--depths", min=2, help="Needle depths from 0% to 100%.")] = 11,
+    depths: Annotated[int, typer.Option("--depths", min=2, max=MAX_DEPTHS, help="Needle depths from 0% to 100%.")] = 11,
     tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,lookalike,multivalue,multiquery,vartrack,cwe")] = "passkey",
     modes: Annotated[str, typer.Option("--modes", help="Routing modes to compare.")] = "full,geometric,window,random",
     sweep: Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")] = "",
@@ -346,7 +412,7 @@ def eval_(
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Most answer tokens per probe (default: by task).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
 
@@ -367,7 +433,8 @@ def eval_(
     config = GridConfig(
         lengths=_lengths(lengths), depths=[round(i / (n - 1), 3) for i in range(n)] if not quick else [0.25, 0.5],
         tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=[m.strip() for m in modes.split(",")],
-        seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks, sweep=_ints(sweep),
+        seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks,
+        sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K),
         shortlist=shortlist, keep=keep,
         max_tokens=max_tokens,
     )
@@ -411,7 +478,7 @@ def eval_(
 def lab(
     lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k.")] = "8k",
     tasks: Annotated[str, typer.Option("--tasks", help="Eval tasks whose haystacks are captured.")] = "lookalike",
-    depths: Annotated[int, typer.Option("--depths", min=2, help="Facts per haystack, from 0% to 100% depth (the haystacks of `kvlocal eval`; facts in the sinks or the window are not counted).")] = 10,
+    depths: Annotated[int, typer.Option("--depths", min=2, max=MAX_DEPTHS, help="Facts per haystack, from 0% to 100% depth (the haystacks of `kvlocal eval`; facts in the sinks or the window are not counted).")] = 10,
     seeds: Annotated[str, typer.Option("--seeds", help="Haystack seeds.")] = "0",
     rules: Annotated[str, typer.Option("--rules", help="Selection rules to replay (comma-separated), or 'all'.")] = "all",
     budgets: Annotated[str, typer.Option("--budgets", help="Regions selected per layer and KV head.")] = "8",
@@ -445,6 +512,9 @@ def lab(
     ks = _ints(budgets)
     if not ks or min(ks) < 1:
         raise UsageError("--budgets: give positive region counts, e.g. 4,8")
+    _bounded("--budgets", ks, 1, MAX_TOP_K)
+    _lengths(lengths)  # before the output folder is made
+    _route("geometric", max(ks), region, window, sinks, 0)  # validates the region geometry as the engine would
     geo = Geometry(region=region, sinks=sinks, window=window)
     depth_list = [round(i / (depths - 1), 3) for i in range(depths)]  # as `kvlocal eval` plants them
     out.mkdir(parents=True, exist_ok=True)
@@ -480,7 +550,7 @@ def lab(
 @handles_errors
 def bench(
     lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k.")] = "8k,16k,32k",
-    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Answer tokens timed per run.")] = 48,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, max=MAX_ANSWER_TOKENS, help="Answer tokens timed per run.")] = 48,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     top_k: TopKOpt = TOP_K,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.metadata
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -16,6 +17,12 @@ from kvlocal.patchset import repo_patchset_id
 
 ENGINE_VERSION = "0.3.36"
 BUILD_HINT = "build it with: python vendor/build_engine.py"
+
+# A failed GGML_ASSERT aborts the process; before that, ggml forks gdb (or lldb) to print a backtrace of
+# every frame, which takes seconds and floods the terminal. ggml skips it when GGML_NO_BACKTRACE is set
+# (read at the abort, and when the library loads for its std::terminate hook): set it before llama_cpp is
+# imported (any value counts, so a backtrace is had by running under gdb instead).
+os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 
 
 @dataclass(frozen=True)

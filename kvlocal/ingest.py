@@ -34,6 +34,14 @@ KIND_BY_SUFFIX = {
 }
 STDIN_NAME = "<stdin>"
 
+# Bounds that keep memory (and the wait before an error) small whatever the input. A 32k-token
+# context holds about 130 KB of prose, a 128k one about 0.5 MB; text beyond MAX_TEXT_CHARS can fit
+# no context kvlocal runs, and is refused as soon as it is seen, without reading the rest.
+MAX_TEXT_CHARS = 2 * 1024 * 1024
+_MiB = 1024 * 1024
+MAX_INPUT_BYTES = {"txt": 8 * _MiB, "md": 8 * _MiB, "html": 16 * _MiB, "epub": 64 * _MiB, "pdf": 256 * _MiB}
+_READ_CHUNK = _MiB
+
 _BOMS = (
     (codecs.BOM_UTF8, "utf-8-sig"),
     (codecs.BOM_UTF16_LE, "utf-16"),
@@ -66,14 +74,16 @@ class Document:
 def load_document(source: str | os.PathLike[str], *, stdin: BinaryIO | None = None) -> Document:
     """Read `source` ("-" means stdin) and return its text; raise DocumentError/UsageError."""
     if os.fspath(source) == "-":
-        name, data = STDIN_NAME, _read_stdin(stdin)
-        kind = sniff_kind(data)
+        name = STDIN_NAME
+        kind, data = _read_stdin(stdin)
     else:
         name = os.fspath(source)
         kind, data = _read_file(Path(source), name)
     if not data or data.isspace():
         raise DocumentError(f"{name} is empty")
-    text = normalize_text(_EXTRACTORS[kind](data, name))
+    text = _EXTRACTORS[kind](data, name)
+    _check_text_size(len(text), name)
+    text = normalize_text(text)
     if not text:
         raise DocumentError(_no_text_message(name, kind))
     return Document(text=text, source=name, kind=kind)
@@ -130,27 +140,72 @@ def html_to_text(markup: str) -> str:
 # -- reading ----------------------------------------------------------------
 
 
-def _read_stdin(stdin: BinaryIO | None) -> bytes:
+def _read_stdin(stdin: BinaryIO | None) -> tuple[str, bytes]:
+    """The kind sniffed from the stream's first bytes, and its bytes (at most the kind's bound)."""
     if stdin is None and sys.stdin.isatty():
         raise UsageError("no document on stdin: pipe one in, or give a file path instead of '-'")
+    stream = stdin if stdin is not None else sys.stdin.buffer
     try:
-        return (stdin if stdin is not None else sys.stdin.buffer).read()
+        return _read_sniffed(stream, STDIN_NAME)
     except OSError as err:
         raise DocumentError(f"cannot read {STDIN_NAME}: {err.strerror or err}") from None
 
 
 def _read_file(path: Path, name: str) -> tuple[str, bytes]:
-    """The file's kind (by extension, else sniffed) and its bytes."""
+    """The file's kind (by extension, else sniffed) and its bytes (at most the kind's bound)."""
     if not path.exists():
         raise DocumentError(f"no such file: {name}")
     if path.is_dir():
         raise DocumentError(f"{name} is a directory, not a document")
     kind = _kind_for(path, name) if path.suffix else None
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size  # 0 for a pipe or a device such as /dev/zero
+            if kind and size > MAX_INPUT_BYTES[kind]:
+                raise DocumentError(_too_large_message(name, kind))
+            if kind:
+                return kind, _read_capped(fh, MAX_INPUT_BYTES[kind], name, kind)
+            return _read_sniffed(fh, name)
     except OSError as err:
         raise DocumentError(f"cannot read {name}: {err.strerror or err}") from None
-    return kind or sniff_kind(data), data
+
+
+def _read_sniffed(stream: BinaryIO, name: str) -> tuple[str, bytes]:
+    """Kind and bytes of a stream whose kind is told by its content, read up to that kind's bound."""
+    head = stream.read(_READ_CHUNK)
+    # a ZIP's directory sits at its end: an EPUB is only recognised once read whole
+    bound_kind = "epub" if head.startswith(b"PK") else sniff_kind(head)
+    if bound_kind == "txt" and not head.startswith(tuple(bom for bom, _ in _BOMS)) and _looks_binary(head):
+        raise DocumentError(f"{name} looks like binary data, not text")  # said before reading on
+    data = head + _read_capped(stream, MAX_INPUT_BYTES[bound_kind] - len(head), name, bound_kind)
+    kind = sniff_kind(data) if bound_kind == "epub" else bound_kind
+    if len(data) > MAX_INPUT_BYTES[kind]:
+        raise DocumentError(_too_large_message(name, kind))
+    return kind, data
+
+
+def _read_capped(stream: BinaryIO, limit: int, name: str, kind: str) -> bytes:
+    """The rest of `stream`, or DocumentError as soon as it passes `limit` bytes (an endless stream too)."""
+    chunks: list[bytes] = []
+    total = 0
+    while chunk := stream.read(_READ_CHUNK):
+        total += len(chunk)
+        if total > limit:
+            raise DocumentError(_too_large_message(name, kind))
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large_message(name: str, kind: str) -> str:
+    return (f"{name} is larger than {MAX_INPUT_BYTES[kind] // _MiB} MiB, far more than a context window holds "
+            "(32k tokens take about 130 KB of text); give kvlocal the part you want to ask about")
+
+
+def _check_text_size(n_chars: int, name: str) -> None:
+    if n_chars > MAX_TEXT_CHARS:
+        raise DocumentError(
+            f"{name} holds more than {MAX_TEXT_CHARS:,} characters of text, far more than a context window holds "
+            "(32k tokens take about 130,000); give kvlocal the part you want to ask about")
 
 
 def _kind_for(path: Path, name: str) -> str:
@@ -184,7 +239,12 @@ def _pdf_text(data: bytes, name: str) -> str:
     except pdfium.PdfiumError as err:
         raise DocumentError(_pdf_open_message(err, name)) from None
     try:
-        return "\n\n".join(_page_text(page) for page in pdf)
+        pages, n_chars = [], 0
+        for page in pdf:
+            pages.append(_page_text(page))
+            n_chars += len(pages[-1]) + 2
+            _check_text_size(n_chars, name)
+        return "\n\n".join(pages)
     except pdfium.PdfiumError:
         raise DocumentError(f"{name} is not a readable PDF (damaged or truncated)") from None
     finally:
@@ -295,7 +355,12 @@ def _epub_text(data: bytes, name: str) -> str:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             chapters = _spine_paths(archive)
             _refuse_drm(archive, chapters, name)
-            return "\n\n".join(html_to_text(decode_text(_member(archive, path), name)) for path in chapters)
+            texts, n_chars = [], 0
+            for path in chapters:
+                texts.append(html_to_text(decode_text(_member(archive, path), name)))
+                n_chars += len(texts[-1]) + 2
+                _check_text_size(n_chars, name)
+            return "\n\n".join(texts)
     except _EPUB_ERRORS as err:
         raise DocumentError(f"{name} is not a readable EPUB ({_epub_reason(err)})") from None
 
@@ -332,10 +397,16 @@ def _refuse_drm(archive: zipfile.ZipFile, chapters: list[str], name: str) -> Non
 
 
 def _member(archive: zipfile.ZipFile, path: str) -> bytes:
+    """A member's bytes; a member that inflates past the HTML bound (a zip bomb) is refused unread."""
+    limit = MAX_INPUT_BYTES["html"]
     try:
-        return archive.read(path)
+        with archive.open(path) as fh:
+            data = fh.read(limit + 1)
     except KeyError:
         raise _EpubError(f"missing {path}") from None
+    if len(data) > limit:
+        raise _EpubError(f"{path} inflates to more than {limit // _MiB} MiB")
+    return data
 
 
 def _local(tag: str) -> str:

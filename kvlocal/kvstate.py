@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -22,9 +23,16 @@ from pathlib import Path
 import numpy as np
 
 from kvlocal import paths
+from kvlocal.errors import KvlocalError
 
 MAGIC = b"KVLOCAL-STATE-1\n"
 SUFFIX = ".kvstate"
+# save_state writes `.tmp-<pid>-XXXXXXXX.kvstate` and renames it into place; a writer killed in between
+# leaves it behind. It is removed once its writer is gone, or once it is older than a writer could be.
+TMP_PREFIX = ".tmp-"
+STALE_TMP_SECONDS = 86400.0  # a temporary this old is left over whatever its pid says (pids are reused)
+ORPHAN_TMP_SECONDS = 3600.0  # for one without a pid in its name (written by an older kvlocal)
+_TMP_PID = re.compile(r"\.tmp-(\d+)-")
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,7 @@ def save_state(key: StateKey, tokens: np.ndarray, state: bytes, label: str, root
     """Write the entry atomically: a temporary file in the same directory, fsync, rename."""
     target = state_path(key, root)
     target.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_temporaries(target.parent)
     tokens = np.asarray(tokens, dtype="<i4")
     header = json.dumps(
         {
@@ -86,7 +95,7 @@ def save_state(key: StateKey, tokens: np.ndarray, state: bytes, label: str, root
             "label": label,
         }
     ).encode()
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=SUFFIX)
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f"{TMP_PREFIX}{os.getpid()}-", suffix=SUFFIX)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(MAGIC)
@@ -154,21 +163,86 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _is_temporary(path: Path) -> bool:
+    return path.name.startswith(TMP_PREFIX)
+
+
+def _pid_alive(pid: int) -> bool:
+    """False only when no process `pid` exists; True when that cannot be told."""
+    if pid <= 0 or os.name == "nt":  # on Windows signal 0 is CTRL_C_EVENT: never send it
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: a live process of another user
+        return True
+    return True
+
+
+def _stale_temporary(path: Path, now: float) -> bool:
+    try:
+        age = now - path.stat().st_mtime
+    except OSError:
+        return False
+    match = _TMP_PID.match(path.name)
+    if match is None:
+        return age > ORPHAN_TMP_SECONDS
+    return age > STALE_TMP_SECONDS or not _pid_alive(int(match.group(1)))
+
+
+def _sweep_temporaries(folder: Path) -> None:
+    """Remove the temporaries of writers that died mid-write; a live writer's temporary stays.
+    Best effort: a cache that cannot be written keeps them (they are never listed)."""
+    now = time.time()
+    try:
+        candidates = list(folder.glob(f"{TMP_PREFIX}*{SUFFIX}"))
+    except OSError:
+        return
+    for path in candidates:
+        if _stale_temporary(path, now):
+            try:
+                _remove(path)
+            except OSError:
+                pass
+
+
+def _states_folder(root: Path | None) -> Path:
+    """The states folder; KvlocalError when it (or the cache dir) is a file, so that the cache commands
+    say what is wrong instead of reporting an empty cache."""
+    if root is None:
+        paths.check_cache_dir()
+        return paths.states_dir()
+    if root.exists() and not root.is_dir():
+        raise KvlocalError(f"the kvlocal states folder {root} is a file, not a folder")
+    return root
+
+
 def list_entries(root: Path | None = None) -> list[StateEntry]:
-    folder = root or paths.states_dir()
+    """The saved states (temporaries of writers still at work are not entries; those of dead ones are removed)."""
+    folder = _states_folder(root)
+    if not folder.exists():
+        return []
+    _sweep_temporaries(folder)
     entries = []
-    for path in sorted(folder.glob(f"*{SUFFIX}")) if folder.exists() else []:
+    for path in sorted(folder.glob(f"*{SUFFIX}")):
+        if _is_temporary(path):
+            continue
         try:
-            with open(path, "rb") as fh:
-                header = _read_header(fh)
-        except (OSError, StateCacheError):
-            header = {"key": {}, "n_tokens": 0, "created": path.stat().st_mtime, "label": "(damaged)"}
+            try:
+                with open(path, "rb") as fh:
+                    header = _read_header(fh)
+            except (OSError, StateCacheError):
+                header = {"key": {}, "n_tokens": 0, "created": path.stat().st_mtime, "label": "(damaged)"}
+            size = path.stat().st_size
+        except FileNotFoundError:  # removed meanwhile (another process cleared the cache)
+            continue
         entries.append(
             StateEntry(
                 path=path,
                 key=header.get("key", {}),
                 n_tokens=int(header.get("n_tokens", 0)),
-                size=path.stat().st_size,
+                size=size,
                 created=float(header.get("created", 0.0)),
                 label=str(header.get("label", "")),
             )
@@ -177,12 +251,16 @@ def list_entries(root: Path | None = None) -> list[StateEntry]:
 
 
 def clear_entries(root: Path | None = None) -> int:
-    """Delete every entry (and leftover temporary files); returns the number of entries removed."""
-    folder = root or paths.states_dir()
+    """Delete every entry and the temporaries of dead writers (a live writer's temporary stays);
+    returns the number of entries removed."""
+    folder = _states_folder(root)
     if not folder.exists():
         return 0
+    _sweep_temporaries(folder)
     removed = 0
     for path in folder.glob(f"*{SUFFIX}"):
+        if _is_temporary(path):
+            continue
         _remove(path)
-        removed += not path.name.startswith(".tmp-")
+        removed += 1
     return removed

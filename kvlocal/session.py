@@ -24,7 +24,7 @@ from kvlocal.engine import llama_cpp, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.patchset import repo_kv_state_id
-from kvlocal.prompt import PromptParts, build_prompt
+from kvlocal.prompt import PromptParts, Segment, build_prompt
 from kvlocal.route_settings import CENTROID_BLOCKS, DEFAULT_CENTROID_BLOCK
 from kvlocal.routing import CENTROID_BLOCK_ENV, ReadStats, RouteConfig, check_region_block, read_stats
 
@@ -192,8 +192,16 @@ class Session:
     def ctx(self) -> ctypes.c_void_p:
         return self.llm.ctx
 
-    def tokenize(self, text: str, *, bos: bool) -> list[int]:
-        return self._vocab_llm.tokenize(text.encode(), add_bos=bos, special=True)
+    def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
+        """Token ids of `text`; control-token spellings in it stay plain text unless `special`."""
+        return self._vocab_llm.tokenize(text.encode(), add_bos=bos, special=special)
+
+    def tokenize_prompt(self, segments: list[Segment], *, bos: bool) -> list[int]:
+        """Token ids of prompt segments: only the chat template's own segments may yield control tokens."""
+        tokens: list[int] = []
+        for i, segment in enumerate(segments):
+            tokens += self.tokenize(segment.text, bos=bos and i == 0, special=segment.template)
+        return tokens
 
     # -- documents ------------------------------------------------------------------------
 
@@ -240,8 +248,8 @@ class Session:
         use_cache: bool = True,
     ) -> LoadResult:
         """Prefill the document (or restore its saved state). Ctrl-C / cancel leaves nothing behind."""
-        self.parts = build_prompt(text, self.chat_template)
-        tokens = self.tokenize(self.parts.prefix, bos=True)
+        self.parts = build_prompt(text, self.chat_template, model_name=self.model.path.name)
+        tokens = self.tokenize_prompt(self.parts.prefix_segments(), bos=True)
         n_ctx = self.choose_ctx(len(tokens))
         if self.llm is None or self.llm.n_ctx() != n_ctx:
             self.llm = None
@@ -251,26 +259,34 @@ class Session:
         key = self.state_key(text, n_ctx)
         start = time.perf_counter()
         rebuilt = None
+
+        def discard(reason: str) -> str:
+            # a cache that cannot be written (read-only) must not cost the answer: rebuild in memory
+            try:
+                kvstate.discard(key)
+            except OSError as err:
+                return f"{reason} (the stale entry could not be removed: {err.strerror or err})"
+            return reason
+
         if use_cache:
             try:
                 saved = kvstate.load_state(key)
             except (kvstate.StateCacheError, OSError) as err:
-                rebuilt = f"saved state discarded: {err}"
-                kvstate.discard(key)
+                rebuilt = discard(f"saved state discarded: {err}")
                 saved = None
             if saved is not None:
                 saved_tokens, state = saved
                 if list(saved_tokens) == tokens and self._set_state(state):
                     self._mark_tokens(tokens)
                     return LoadResult(len(tokens), n_ctx, True, time.perf_counter() - start)
-                rebuilt = "saved state did not match the document tokens or engine; rebuilt"
-                kvstate.discard(key)
+                rebuilt = discard("saved state did not match the document tokens or engine; rebuilt")
         self._prefill(tokens, progress, cancel)
+        state = self._compact_swa_cache()
         seconds = time.perf_counter() - start
         saved_to = None
         if use_cache:
             try:
-                saved_to = kvstate.save_state(key, np.array(tokens, np.int32), self._get_state(), label=label)
+                saved_to = kvstate.save_state(key, np.array(tokens, np.int32), state or self._get_state(), label=label)
             except OSError as err:  # a full disk or an unusable cache dir: the prefilled context still works
                 note = f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
                 rebuilt = f"{rebuilt}; {note}" if rebuilt else note
@@ -302,6 +318,21 @@ class Session:
             self._clear_kv()
             raise EngineError(f"prefill failed: {err}") from None
         self.n_prefix = len(tokens)
+
+    def _compact_swa_cache(self) -> bytes | None:
+        """In an iSWA model, the prefilled state reloaded, so that the sliding-window layers' cache holds
+        its window packed at the front: as a state restored from the cache does. Otherwise their dense
+        view spans every cell the prefill ever used (masked but read), and a fresh document would read
+        more, and count a larger dense baseline, than the same document restored. Returns the state."""
+        module = llama_cpp()
+        if module.llama_model_n_swa(self.llm.model) <= 0:
+            return None
+        n_prefix, n_tokens = self.n_prefix, self.llm.n_tokens
+        state = self._get_state()
+        if not self._set_state(state):
+            raise EngineError("could not reload the prefilled state of a sliding-window model")
+        self.n_prefix, self.llm.n_tokens = n_prefix, n_tokens
+        return state
 
     def _clear_kv(self) -> None:
         module = llama_cpp()
@@ -382,7 +413,7 @@ class Session:
         with self._lock:
             self._rewind()
             route.apply(self.ctx)
-            q_tokens = self.tokenize(self.parts.question_text(question), bos=False)
+            q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
             room = self.llm.n_ctx() - self.n_prefix - len(q_tokens)
             if room < 1:
                 raise ContextOverflowError(
@@ -400,6 +431,7 @@ class Session:
             rng = np.random.default_rng(seed)
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             pieces: list[str] = []
+            stops, recent = self.parts.stops, ""
             start = time.perf_counter()
             try:
                 for _ in range(max_tokens):
@@ -410,6 +442,9 @@ class Session:
                     if module.llama_vocab_is_eog(vocab, token):
                         break
                     text = decoder.decode(self.llm.detokenize([token]))
+                    if stops and any(stop in recent + text for stop in stops):
+                        break  # a completion prompt's answer ends where the next paragraph or question begins
+                    recent = (recent + text)[-32:]
                     stats = self._step(token, want_regions)
                     if stats:
                         summary.add(stats)

@@ -19,3 +19,9 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A private kvlocal cache directory (KVLOCAL_CACHE_DIR) for one test."""
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture(autouse=True)
+def _private_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model verification records a read-only cache falls back to stay out of the real home."""
+    monkeypatch.setenv("KVLOCAL_STATE_DIR", str(tmp_path_factory.getbasetemp() / "user-state"))

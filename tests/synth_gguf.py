@@ -104,7 +104,8 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 
 def write_tiny_qwen2(path: str | os.PathLike[str], *, n_layer: int = 2, **hparams) -> Path:
     """Write a random-weight qwen2 GGUF (all tensors F32) to `path` and return it.
-    `hparams`: n_embd (64), n_head (4), n_head_kv (2), n_ff (128), n_ctx (4096), seed (0)."""
+    `hparams`: n_embd (64), n_head (4), n_head_kv (2), n_ff (128), n_ctx (4096), seed (0),
+    chat_template (Qwen2.5's; None writes none)."""
     return _write_tiny(path, "qwen2", n_layer=n_layer, **hparams)
 
 
@@ -133,7 +134,8 @@ def write_qwen2_shaped(path: str | os.PathLike[str], shape: str = "1.5b", *, dty
 
 def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
                 n_ff: int = 128, n_ctx: int = 4096, seed: int = 0, n_swa: int = 0, swa_pattern: int = 0,
-                n_vocab: int = 0, dtype: str = "f32", tied: bool = False) -> Path:
+                n_vocab: int = 0, dtype: str = "f32", tied: bool = False,
+                chat_template: str | None = QWEN25_CHAT_TEMPLATE) -> Path:
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
     if dtype not in ("f32", "f16"):
@@ -217,7 +219,8 @@ def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int 
     writer.add_eot_token_id(im_end)
     writer.add_pad_token_id(eot)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(QWEN25_CHAT_TEMPLATE)
+    if chat_template is not None:  # None: a base model without a template
+        writer.add_chat_template(chat_template)
     for name, array in tensors.items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()

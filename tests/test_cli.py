@@ -309,7 +309,7 @@ def test_haystacks_at_the_trained_context_leave_room_for_the_answer(cache_dir, t
 
     session = Session(str(write_tiny_qwen2(tmp_path / "t32k.gguf", n_ctx=32768)))
     case = make_case(session, "passkey", 32768, list(DEFAULT_DEPTHS), seed)
-    prefix = session.tokenize(build_prompt(case.text, session.chat_template).prefix, bos=True)
+    prefix = session.tokenize_prompt(build_prompt(case.text, session.chat_template).prefix_segments(), bos=True)
     assert len(prefix) + ANSWER_RESERVE <= session.trained_ctx
 
 

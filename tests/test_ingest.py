@@ -429,3 +429,91 @@ def test_write_sample_round_trips(tmp_path: Path) -> None:
     path = write_sample(tmp_path / "sub" / "sample.txt")
     assert path == tmp_path / "sub" / "sample.txt"
     assert load_document(path).text == sample_document().strip()
+
+
+# -- bounds: memory and time stay small whatever the input ------------------------------------
+
+
+def test_an_endless_stream_is_refused_within_bounded_memory() -> None:
+    # a child process, so that its peak RSS is the ingestion's alone
+    import subprocess
+    import sys
+
+    code = (
+        "import io, resource, time\n"
+        "from kvlocal.ingest import load_document\n"
+        "from kvlocal.errors import DocumentError\n"
+        "class Yes(io.RawIOBase):\n"
+        "    def readable(self): return True\n"
+        "    def readinto(self, b):\n"
+        "        b[:] = b'yes\\n' * (len(b) // 4) + b'y' * (len(b) % 4); return len(b)\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "start = time.perf_counter()\n"
+        "try:\n"
+        "    load_document('-', stdin=io.BufferedReader(Yes()))\n"
+        "except DocumentError as err:\n"
+        "    print(err)\n"
+        "print(time.perf_counter() - start)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    message, seconds, grown_kib = out.strip().split("\n")
+    assert message.startswith("<stdin> is larger than 8 MiB")
+    assert float(seconds) < 5
+    assert int(grown_kib) < 100 * 1024  # the 8 MiB bound and its copies, not the stream
+
+
+def test_a_file_over_the_bound_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as fh:
+        fh.truncate(9 * 1024 * 1024)  # sparse: nothing to read quickly if the size were ignored
+    assert "big.txt is larger than 8 MiB" in document_error(big)
+
+
+def test_an_endless_device_is_refused(tmp_path: Path) -> None:
+    if not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero")
+    assert "binary" in document_error("/dev/zero")
+
+
+def test_text_longer_than_any_context_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlocal import ingest
+
+    monkeypatch.setattr(ingest, "MAX_TEXT_CHARS", 1000)
+    assert "more than 1,000 characters" in document_error(write(tmp_path, "long.md", "word " * 300))
+    assert load_document(write(tmp_path, "short.md", "word " * 150)).text
+
+
+def test_a_pdf_stops_extracting_past_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlocal import ingest
+
+    monkeypatch.setattr(ingest, "MAX_TEXT_CHARS", 30)
+    pages_read = []
+    original = ingest._page_text
+    monkeypatch.setattr(ingest, "_page_text", lambda page: pages_read.append(1) or original(page))
+    path = write(tmp_path, "many.pdf", make_pdf([[f"Page number {i} text"] for i in range(6)]))
+    assert "more than 30 characters" in document_error(path)
+    assert len(pages_read) == 2
+
+
+def test_an_epub_member_that_inflates_past_the_bound_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlocal import ingest
+
+    monkeypatch.setitem(ingest.MAX_INPUT_BYTES, "html", 64 * 1024)
+    bomb = make_epub({"OEBPS/text/chapter2.xhtml": _xhtml("Book", "<p>" + "a" * 200_000 + "</p>")})
+    assert len(bomb) < 10_000  # it is small until inflated
+    message = document_error(write(tmp_path, "bomb.epub", bomb))
+    assert "not a readable EPUB" in message and "inflates to more than" in message
+
+
+def test_a_piped_epub_larger_than_the_sniffed_head_is_still_an_epub(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlocal import ingest
+
+    monkeypatch.setattr(ingest, "_READ_CHUNK", 256)  # the ZIP directory lies past the first chunk
+    doc = load_document("-", stdin=io.BytesIO(make_epub()))
+    assert doc.kind == "epub" and "Chapter One" in doc.text
+
+
+def test_piped_utf16_text_is_not_taken_for_binary() -> None:
+    doc = load_document("-", stdin=io.BytesIO("Grüße aus Köln".encode("utf-16")))
+    assert doc.text == "Grüße aus Köln"

@@ -279,6 +279,36 @@ def test_iswa_routes_the_full_attention_layers(iswa_model):
     assert d.rows_read == d.rows_dense and d.n_layer_routed == 0
 
 
+def test_iswa_dense_baseline_is_one_number_whatever_the_mode_or_history(iswa_model, tmp_path, monkeypatch):
+    """The dense count is what a dense step physically reads; a sliding-window layer reads every cell
+    its cache view spans. A fresh prefill used to leave that view spanning the whole document (masked
+    cells) while a state restored from the cache packs the window at the front: the same document
+    then counted 282,624 dense rows fresh and 164,864 restored. Now a fresh prefill is packed as a
+    restored one is, so every mode and both histories count (and read) the same."""
+    from kvlocal.session import Session
+
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
+    text = " ".join(f"the world is hello {i}" for i in range(120))  # 1,500 tokens, past the 128-token window
+    counts, answers = set(), set()
+    for history in ("fresh", "restored"):
+        session = Session(str(iswa_model), threads=2, n_ctx=4096)
+        try:
+            assert session.load_document(text).cache_hit == (history == "restored")
+            for mode in ("full", "geometric", "window"):
+                answer = session.answer("hello world?", route=RouteConfig(mode=mode, top_k=2, region=64), max_tokens=4)
+                counts.add((mode, answer.rows_dense, answer.bytes_dense, answer.rows_read))
+                if mode == "full":
+                    answers.add(answer.text)
+                    assert answer.rows_read == answer.rows_dense
+                else:
+                    assert answer.rows_read < answer.rows_dense
+        finally:
+            session.close()
+    assert len({(dense, nbytes) for _, dense, nbytes, _ in counts}) == 1, counts
+    assert len(counts) == 3, counts  # each mode reads the same fresh and restored
+    assert len(answers) == 1
+
+
 def test_a_full_shortlist_selects_what_one_pass_selects(tiny_model):
     """With every candidate shortlisted, the fine centroids rank all of them: the regions chosen
     in two levels are the one-pass choice (an exact oracle for the gather through the shortlist)."""

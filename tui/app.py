@@ -7,8 +7,10 @@ are only touched on the app's thread.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -83,6 +85,10 @@ class KvlocalApp(App[None]):
 
     BINDINGS = [
         Binding("ctrl+q", "quit", "Quit", priority=True),
+        # ctrl+c copies selected text; with nothing selected it interrupts as in the CLI: exit code 130,
+        # a running prefill cancelled. A priority binding: it also works over the progress screen
+        # (a modal screen hides the app's other bindings).
+        Binding("ctrl+c", "interrupt", "Interrupt", show=False, priority=True),
         Binding("f1,question_mark", "help", "Help", key_display="f1"),
         Binding("ctrl+o", "open", "Open"),
         Binding("f2,m", "cycle_mode", "Mode", key_display="f2"),
@@ -101,8 +107,12 @@ class KvlocalApp(App[None]):
         session_factory: SessionFactory | None = None,
         route: RouteConfig | None = None,
         max_tokens: int = 256,
+        handle_sigint: bool = False,
     ) -> None:
+        """`handle_sigint`: a SIGINT to the process interrupts the app (see `interrupt`); `run_app` sets it."""
         super().__init__()
+        self.handle_sigint = handle_sigint
+        self._sigint_loop: Any = None  # the event loop the SIGINT handler is installed on
         self.initial_document = Path(document) if document is not None else None
         self.session_factory = session_factory or default_session_factory(model, threads)
         self.session: Any = None
@@ -147,8 +157,26 @@ class KvlocalApp(App[None]):
         self._welcome = self.log_widget.add_notice(WELCOME)
         self._drain_timer = self.set_interval(DRAIN_INTERVAL, self._drain_live, pause=True)
         self.query_one("#question", Input).focus()
+        if self.handle_sigint:
+            self._install_sigint()
         if self.initial_document is not None:
             self.open_document(self.initial_document)
+
+    def _install_sigint(self) -> None:
+        """Route SIGINT (kill -INT; the terminal's ctrl+c is a key in raw mode) to `interrupt`: asyncio's own
+        handler cancels the app's task, which Textual ends with exit code 0."""
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGINT, self.interrupt)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            return
+        self._sigint_loop = loop
+
+    def _remove_sigint(self) -> None:
+        loop, self._sigint_loop = self._sigint_loop, None
+        if loop is not None and not loop.is_closed():
+            # a second SIGINT while the workers stop raises KeyboardInterrupt (the CLI exits 130 at once)
+            loop.remove_signal_handler(signal.SIGINT)
 
     @property
     def log_widget(self) -> AnswerLog:
@@ -601,10 +629,33 @@ class KvlocalApp(App[None]):
         self._cancel.set()  # a running prefill or answer stops at its next step
         self.exit()
 
+    def action_interrupt(self) -> None:
+        focused = self.focused
+        if isinstance(focused, Input) and focused.selected_text:
+            self.copy_to_clipboard(focused.selected_text)
+            return
+        selected = self.screen.get_selected_text()
+        if selected:
+            self.copy_to_clipboard(selected)
+            return
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        """Ctrl-C / SIGINT: stop a running prefill or answer at its next step (the prefill saves nothing) and
+        exit with code 130, as the CLI does."""
+        self._cancel.set()
+        self.exit(return_code=INTERRUPTED)
+
     def on_unmount(self) -> None:
         self._cancel.set()
+        self._remove_sigint()
 
 
-def run_app(document: Path | None = None, model: str | None = None, threads: int | None = None) -> None:
-    """Entry point of `kvlocal tui`."""
-    KvlocalApp(document, model=model, threads=threads).run()
+INTERRUPTED = 130  # the exit code of an interrupted kvlocal command
+
+
+def run_app(document: Path | None = None, model: str | None = None, threads: int | None = None) -> int:
+    """Entry point of `kvlocal tui`; returns the exit code (130: interrupted)."""
+    app = KvlocalApp(document, model=model, threads=threads, handle_sigint=True)
+    app.run()
+    return app.return_code or 0

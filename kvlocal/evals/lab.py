@@ -55,13 +55,15 @@ class CaseCapture:
                        [z[f"k{i}"].astype(np.float32) for i in range(n)], z["facts"], z["correct"], z["depths"])
 
 
-def fact_span(session, prefix: str, needle: str) -> tuple[int, int]:
-    """Token span [start, end) of `needle` inside the tokenized prefix (BPE may shift a boundary by one)."""
-    at = prefix.find(needle)
+def fact_span(session, needle: str) -> tuple[int, int]:
+    """Token span [start, end) of `needle` in the loaded document's prompt (BPE may shift a boundary by one)."""
+    parts = session.parts
+    at = parts.document.find(needle)
     if at < 0:
         raise ValueError(f"needle not found in the document: {needle[:60]!r}")
-    start = len(session.tokenize(prefix[:at], bos=True))
-    end = len(session.tokenize(prefix[: at + len(needle)], bos=True))
+    head = len(session.tokenize_prompt(parts.prefix_segments()[:1], bos=True))
+    start = head + len(session.tokenize(parts.document[:at], bos=False))
+    end = head + len(session.tokenize(parts.document[: at + len(needle)], bos=False))
     return max(0, start - 1), end + 1
 
 
@@ -98,7 +100,7 @@ def capture_case(session, case: Case, name: str, max_tokens: int, log: Callable[
         q, k = capture.steps.arrays()
         qs.append(q)
         ks.append(k)
-        facts.append(fact_span(session, session.parts.prefix, needle_of(case, probe)))
+        facts.append(fact_span(session, needle_of(case, probe)))
         correct.append(score(probe, answer.text) >= 1.0)
         log(f"  depth {probe.depth:.2f}: {len(q)} steps, dense answer {answer.text.strip()[:40]!r} "
             f"({'right' if correct[-1] else 'wrong'})")

@@ -1,0 +1,277 @@
+"""Command-line arguments checked before any work: bounds of every number, text that is not UTF-8, the TUI's terminal.
+
+None of these tests needs the engine or a model: `_open_session` is replaced by one that fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvlocal import cli, route_settings
+from kvlocal.cli import app
+from kvlocal.errors import UsageError
+
+DOC = "Line 1: the gauge at post 1 read 13 units.\nLine 2: the gauge at post 2 read 26 units.\n"
+HUGE = "99999999999999999999"  # wrapped silently to 1661992959 in ctypes
+
+
+@pytest.fixture
+def doc(tmp_path) -> Path:
+    path = tmp_path / "report.txt"
+    path.write_text(DOC)
+    return path
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Opening a session (loading the model, prefilling) fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("engine work started before the arguments were checked")
+
+    monkeypatch.setattr(cli, "_open_session", refuse)
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+# -- bounds -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--top-k", "2147483648"),
+        ("--top-k", HUGE),
+        ("--top-k", "-1"),
+        ("--window", "4294967040"),
+        ("--window", HUGE),
+        ("--sinks", "4294967040"),
+        ("--shortlist", "2147483648"),
+        ("--region", "4294967296"),
+        ("--centroid-block", "4294967296"),
+        ("--seed", "4294967296"),
+        ("--ctx", "2147483648"),
+        ("--ctx", HUGE),
+        ("--ctx", "100"),
+        ("--max-tokens", "2147483648"),
+        ("--max-tokens", HUGE),
+    ],
+)
+def test_ask_refuses_out_of_range_numbers_before_any_work(no_engine, doc, option, value):
+    result = run("ask", str(doc), "What did post 1 read?", option, value)
+    assert result.exit_code == 2, (option, value, result.output)
+    assert option in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ask_refuses_an_unknown_centroid_block_before_any_work(no_engine, doc):
+    result = run("ask", str(doc), "What did post 1 read?", "--centroid-block", "5", "--region", "64")
+    assert result.exit_code == 2, result.output
+    assert "--centroid-block must be one of" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--depths", "1000000"], "--depths"),
+        (["--max-tokens", HUGE], "--max-tokens"),
+        (["--sweep", f"2,{HUGE}"], "--sweep"),
+        (["--sweep", "4294967296"], "--sweep"),
+        (["--lengths", "2147483648"], "--lengths"),
+        (["--lengths", "8k,99999999k"], "--lengths"),
+        (["--top-k", "2147483648"], "--top-k"),
+        (["--window", "4294967040"], "--window"),
+        (["--shortlist", HUGE], "--shortlist"),
+    ],
+)
+def test_eval_refuses_out_of_range_numbers_before_any_work(no_engine, tmp_path, args, option):
+    out = tmp_path / "ev"
+    result = run("eval", "--lengths", "2k", "--depths", "2", "--no-plots", "--out", str(out), *args)
+    assert result.exit_code == 2, (args, result.output)
+    assert option in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--budgets", "4,2147483648"], "--budgets"),
+        (["--budgets", HUGE], "--budgets"),
+        (["--depths", "1000000"], "--depths"),
+        (["--lengths", "4294967296"], "--lengths"),
+        (["--window", "4294967040"], "--window"),
+        (["--sinks", HUGE], "--sinks"),
+        (["--region", "48"], "--region"),
+        (["--region", "4294967296"], "--region"),
+    ],
+)
+def test_lab_refuses_out_of_range_numbers_before_any_work(no_engine, tmp_path, args, option):
+    out = tmp_path / "lab"
+    result = run("lab", "--out", str(out), *args)
+    assert result.exit_code == 2, (args, result.output)
+    assert option in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--tokens", "2147483648"], "--tokens"),
+        (["--top-k", "2147483648"], "--top-k"),
+        (["--sinks", "4294967040"], "--sinks"),
+        (["--lengths", "2147483648"], "--lengths"),
+    ],
+)
+def test_bench_refuses_out_of_range_numbers_before_any_work(no_engine, args, option):
+    result = run("bench", "--lengths", "2k", *args)
+    assert result.exit_code == 2, (args, result.output)
+    assert option in result.stderr and "Traceback" not in result.stderr
+
+
+def test_route_config_refuses_what_the_cli_refuses():
+    """The core holds the same bounds (route_settings), so no caller can hand the engine a wrapped int."""
+    from kvlocal.routing import RouteConfig, check_region_block
+
+    rs = route_settings
+    RouteConfig(top_k=rs.MAX_TOP_K, window=rs.MAX_WINDOW, sinks=rs.MAX_SINKS, shortlist=rs.MAX_SHORTLIST,
+                seed=rs.MAX_SEED)
+    RouteConfig(top_k=0, window=0, sinks=0, shortlist=0)
+    for field, option, top in (("top_k", "--top-k", rs.MAX_TOP_K), ("window", "--window", rs.MAX_WINDOW),
+                               ("sinks", "--sinks", rs.MAX_SINKS), ("shortlist", "--shortlist", rs.MAX_SHORTLIST),
+                               ("seed", "--seed", rs.MAX_SEED)):
+        wrapping = (2**31, 2**32 - 256) if field != "seed" else ()  # wrap in an int32
+        for value in (top + 1, 10**20, -1, *wrapping):
+            with pytest.raises(UsageError, match=option):
+                RouteConfig(**{field: value})
+    for region in (0, 48, 512, 2**32):
+        with pytest.raises(UsageError, match="--region"):
+            RouteConfig(region=region)
+    with pytest.raises(UsageError, match="--centroid-block"):
+        check_region_block(64, 5)
+    with pytest.raises(UsageError, match="--centroid-block"):
+        check_region_block(64, 2**32)
+    check_region_block(64, 0)
+    check_region_block(64, 16)
+
+
+def test_cli_bounds_are_route_settings():
+    """The CLI's limits are route_settings' names (one home), and the engine's 32-bit ints hold them."""
+    rs = route_settings
+    assert (cli.MAX_TOP_K, cli.MAX_WINDOW, cli.MAX_SINKS, cli.MAX_SHORTLIST, cli.MAX_SEED, cli.MAX_CTX) == (
+        rs.MAX_TOP_K, rs.MAX_WINDOW, rs.MAX_SINKS, rs.MAX_SHORTLIST, rs.MAX_SEED, rs.MAX_CTX)
+    assert max(rs.MAX_TOP_K, rs.MAX_WINDOW, rs.MAX_SINKS, rs.MAX_SHORTLIST, rs.MAX_CTX, rs.MAX_ANSWER_TOKENS) < 2**31
+    assert rs.MAX_SEED == 2**32 - 1
+
+
+# -- text that is not UTF-8 -------------------------------------------------------------------------
+
+
+def test_text_arg_turns_escaped_bytes_into_replacement_characters():
+    assert cli._text_arg("caf\udce9?") == "caf\ufffd?"  # b"caf\xe9?" from a Latin-1 terminal
+    assert cli._text_arg("café?") == "café?"  # valid text is kept
+    assert cli._text_arg("\udcc3\udca9") == "é"  # escaped bytes are read back as UTF-8 where they are UTF-8
+    assert cli._text_arg("\udce9\udce9") == "\ufffd\ufffd"
+    assert cli._text_arg("a\ud800b") == "a?b"  # a lone surrogate surrogateescape did not make
+    for text in ("caf\udce9?", "a\ud800b"):
+        cli._text_arg(text).encode("utf-8")  # never raises
+
+
+class _RecordingSession:
+    """Records what the CLI asks; the answer step stops the command with a usage error."""
+
+    def __init__(self):
+        self.questions: list[str] = []
+
+    def ask(self, question, **kwargs):
+        question.encode("utf-8")  # what the tokenizer does: UnicodeEncodeError on a lone surrogate
+        self.questions.append(question)
+        raise UsageError("stop: the question reached the answer step")
+        yield  # a generator, as Session.ask
+
+
+@pytest.mark.parametrize("name", ["report.txt", os.fsdecode(b"caf\xe9-report.txt")])
+def test_a_question_with_bytes_that_are_not_utf8_reaches_the_answer(monkeypatch, tmp_path, name):
+    """`kvlocal ask doc.txt $'caf\\xe9?'`: the question is decoded with U+FFFD; the document path (which may
+    hold such bytes too) still opens its file."""
+    path = tmp_path / name
+    path.write_text(DOC)
+    session = _RecordingSession()
+    loaded = []
+    monkeypatch.setattr(cli, "_open_session", lambda *a, **k: session)
+    monkeypatch.setattr(cli, "_load", lambda s, text, label, use_cache: loaded.append((text, label)))
+    result = run("ask", str(path), "What did post 1 read at the caf\udce9?")
+    assert "UnicodeEncodeError" not in repr(result.exception), result.exception
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "reached the answer step" in result.stderr
+    assert session.questions == ["What did post 1 read at the caf\ufffd?"]
+    assert loaded and loaded[0][0].startswith("Line 1:")
+
+
+# -- the TUI needs a terminal -----------------------------------------------------------------------
+
+
+def test_tui_refuses_without_a_terminal_before_importing_textual(tmp_path):
+    """CliRunner's stdin and stdout are not TTYs: one-line usage error, exit 2, textual not imported."""
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from kvlocal.cli import app\n"
+        "r = CliRunner().invoke(app, ['tui'])\n"
+        "print(r.exit_code)\n"
+        "print(repr(r.stderr))\n"
+        "print('textual' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TERM": "xterm-256color"})
+    assert out.returncode == 0, out.stderr
+    exit_code, stderr, textual = out.stdout.strip().splitlines()
+    assert exit_code == "2"
+    assert eval(stderr) == f"kvlocal: error: {cli.TUI_NEEDS_TERMINAL}\n"  # one line
+    assert "\x1b[" not in eval(stderr)
+    assert textual == "False"
+
+
+class _Tty:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(
+    "stdin, stdout, term, ok",
+    [
+        (True, True, "xterm-256color", True),
+        (True, True, "dumb", False),
+        (False, True, "xterm", False),
+        (True, False, "xterm", False),
+    ],
+)
+def test_tui_terminal_check(monkeypatch, stdin, stdout, term, ok):
+    monkeypatch.setattr(sys, "stdin", _Tty(stdin))
+    monkeypatch.setattr(sys, "stdout", _Tty(stdout))
+    monkeypatch.setenv("TERM", term)
+    if ok:
+        cli._check_terminal()
+    else:
+        with pytest.raises(UsageError, match="needs an interactive terminal"):
+            cli._check_terminal()
+
+
+def test_tui_exit_code_130_when_interrupted(monkeypatch):
+    import kvlocal.tui.app as tui_app
+
+    monkeypatch.setattr(cli, "_check_terminal", lambda: None)
+    monkeypatch.setattr(tui_app, "run_app", lambda **kwargs: 130)
+    result = run("tui")
+    assert result.exit_code == 130 and "interrupted" in result.stderr
+    monkeypatch.setattr(tui_app, "run_app", lambda **kwargs: 0)
+    assert run("tui").exit_code == 0
