@@ -24,4 +24,4 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(autouse=True)
 def _private_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Model verification records a read-only cache falls back to stay out of the real home."""
-    monkeypatch.setenv("KVLOCAL_STATE_DIR", str(tmp_path_factory.getbasetemp() / "user-state"))
+    monkeypatch.setenv("KVLOCAL_STATE_DIR", str(tmp_path_factory.mktemp("user-state")))  # one per test
