@@ -51,10 +51,15 @@ FALLBACK_REASONS = {
 }
 
 
-def check_region_block(region: int, centroid_block: int) -> None:
-    """A region is scored from whole centroid blocks: UsageError unless the block divides it (0: no centroids)."""
+def check_centroid_block(centroid_block: int) -> None:
+    """UsageError unless the block is one the engine keeps centroids for (0: no centroids, every step dense)."""
     if centroid_block != 0 and centroid_block not in CENTROID_BLOCKS:
         raise UsageError(f"--centroid-block must be one of {', '.join(map(str, CENTROID_BLOCKS))} (got {centroid_block})")
+
+
+def check_region_block(region: int, centroid_block: int) -> None:
+    """A region is scored from whole centroid blocks: UsageError unless the block divides it (0: no centroids)."""
+    check_centroid_block(centroid_block)
     if centroid_block and region % centroid_block:
         raise UsageError(f"--region {region} must be a multiple of the centroid block {centroid_block}")
 

@@ -25,8 +25,10 @@ from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, Us
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
-from kvlocal.route_settings import CENTROID_BLOCKS, DEFAULT_CENTROID_BLOCK
-from kvlocal.routing import CENTROID_BLOCK_ENV, ReadStats, RouteConfig, check_region_block, read_stats
+from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK
+from kvlocal.routing import (
+    CENTROID_BLOCK_ENV, ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
+)
 
 KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
 ANSWER_RESERVE = 768  # context tokens kept free for a question and its answer
@@ -135,8 +137,7 @@ class Session:
     ) -> None:
         if kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
-        if centroid_block not in CENTROID_BLOCKS and centroid_block != 0:  # 0: no centroids, every step dense
-            raise UsageError(f"--centroid-block must be one of {', '.join(map(str, CENTROID_BLOCKS))} (got {centroid_block})")
+        check_centroid_block(centroid_block)
         if threads is not None and not 1 <= threads <= MAX_THREADS:
             raise UsageError(f"--threads must be between 1 and {MAX_THREADS} (got {threads})")
         self.engine = require_patched()
