@@ -250,7 +250,7 @@ def demo(
 def models() -> None:
     """List the model aliases, their packages and whether they are installed."""
     from kvlocal.models import ALIASES, DEFAULT_ALIAS, model_status
-    from kvlocal.progress import human_bytes
+    from kvlocal.units import human_bytes
 
     for alias, spec in ALIASES.items():
         default = " (default)" if alias == DEFAULT_ALIAS else ""
@@ -293,7 +293,7 @@ def doctor() -> None:
 def cache_list() -> None:
     """List saved KV states."""
     from kvlocal import kvstate
-    from kvlocal.progress import human_bytes
+    from kvlocal.units import human_bytes
 
     entries = kvstate.list_entries()
     if not entries:
@@ -569,7 +569,7 @@ def bench(
     from kvlocal.atomic import write_text_atomic
     from kvlocal.evals import bench as b
     from kvlocal.evals.runner import make_case
-    from kvlocal.progress import human_bytes
+    from kvlocal.units import human_bytes
 
     route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep)
     context_lengths = _lengths(lengths)

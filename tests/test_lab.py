@@ -71,6 +71,43 @@ def test_two_level_scans_coarse_then_the_shortlist():
     assert r.rows_scan.tolist() == [6 + 2 * 2]
 
 
+def test_question_pins_keep_what_the_question_found():
+    """Step 0 (the question) scores region 2 best; step 1 (the answer) scores region 3 best. With one
+    pin and k = 1 the answer step reads region 2, which the question found; without, region 3."""
+    keys = np.zeros((24, 2), np.float32)
+    keys[9] = [10.0, 0.0]  # region 2
+    keys[13] = [0.0, 10.0]  # region 3
+    q = np.array([[[1.0, 0.0]], [[0.0, 1.0]]], np.float32)
+    head = Head(q=q, keys=keys, pos=np.array([22, 23]), scale=1.0, n_question=1)
+    plain = replay(head, GEO, mean_rule(4), [1], (9, 10))[1]
+    pinned = replay(head, GEO, lab_rules.question_pin_rule(mean_rule(4), 1), [1], (9, 10))[1]
+    assert plain.fact_hit[:, 0].tolist() == [True, False]
+    assert pinned.fact_hit[:, 0].tolist() == [True, True]
+    assert pinned.rows_read.tolist() == plain.rows_read.tolist()  # a pin spends the budget, it does not add to it
+
+
+def test_output_error_is_zero_when_everything_is_read_and_the_estimate_exact_for_flat_regions():
+    rng = np.random.default_rng(1)
+    n_doc, dim = 20, 4
+    # every region's 4 cells hold one key, so its mean key scores each cell exactly
+    keys = np.repeat(rng.normal(size=(5, dim)), 4, axis=0).astype(np.float32)
+    values = rng.normal(size=(n_doc, dim)).astype(np.float32)
+    head = Head(q=rng.normal(size=(2, 3, dim)).astype(np.float32), keys=keys, pos=np.array([19, 19]), scale=0.5)
+    cand = np.zeros((2, 5), bool)
+    cand[:, 1:4] = True
+    steps = np.arange(2)
+    everything = np.ones((2, 5), bool)
+    err, err_est = lab_rules.output_error(head, values, everything, cand, steps, GEO)
+    np.testing.assert_allclose(err, 0, atol=1e-6)
+    np.testing.assert_allclose(err_est, 0, atol=1e-6)
+    fixed_only = ~cand
+    err, err_est = lab_rules.output_error(head, values, fixed_only, cand, steps, GEO)
+    assert (err > 1e-3).all()  # three regions dropped
+    # cells of one key share one weight, so a region's mean key and mean value (times its count) give
+    # exactly its share of the output: only the F16 rounding of the means is left
+    assert (err_est < 1e-3).all()
+
+
 def test_rules_registry_names_callables():
     assert {"mean16", "mean4", "token", "oracle"} <= set(lab_rules.RULES)
 
@@ -81,7 +118,7 @@ def test_capture_on_a_tiny_model(tmp_path):
     from synth_gguf import write_tiny_qwen2
 
     from kvlocal.engine import llama_cpp
-    from kvlocal.evals.lab_capture import QKCapture, state_keys
+    from kvlocal.evals.lab_capture import QKCapture, state_keys, state_kv
 
     path = write_tiny_qwen2(tmp_path / "tiny.gguf", n_embd=128, n_head=2, n_head_kv=1, seed=3)
     module = llama_cpp()
@@ -104,3 +141,6 @@ def test_capture_on_a_tiny_model(tmp_path):
     assert pos.tolist() == list(range(43))
     # the keys the decode steps wrote are the ones the callback saw (F16 in the cache)
     np.testing.assert_allclose(keys[:, 40:].astype(np.float32), k[:, :, 0].transpose(1, 0, 2), rtol=2e-3, atol=2e-3)
+    pos2, keys2, values = state_kv(bytes(buf), n_layer=2, n_embd_gqa=64)
+    assert np.array_equal(pos2, pos) and np.array_equal(keys2, keys)
+    assert values.shape == keys.shape and np.isfinite(values).all() and not np.array_equal(values, keys)

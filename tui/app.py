@@ -25,7 +25,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header, Input, OptionList
 
 from kvlocal.errors import CancelledError, KvlocalError
-from kvlocal.progress import human_seconds
+from kvlocal.units import human_seconds
 from kvlocal.route_settings import DEFAULT_MODE, MODES
 from kvlocal.routing import RouteConfig
 from kvlocal.tui.answer_log import AnswerEntry, AnswerLog, route_label

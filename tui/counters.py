@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from kvlocal.progress import human_bytes
+from kvlocal.units import human_bytes
 from kvlocal.tui.live import StepCounters
 
 IDLE = "Ask a question to see which KV regions each decode step reads.\nx: regions of the context, start to end · y: layers, first on top"

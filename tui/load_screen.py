@@ -9,7 +9,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label, ProgressBar, Static
 
-from kvlocal.progress import human_bytes, human_seconds
+from kvlocal.units import human_bytes, human_seconds
 
 
 class LoadScreen(ModalScreen[None]):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,8 @@ class CaseCapture:
     facts: np.ndarray  # [probe, 2] cell span of the asked fact
     correct: np.ndarray  # [probe] the dense answer was right
     depths: np.ndarray  # [probe]
+    n_question: np.ndarray | None = None  # [probe] steps that read the question (the rest are answer steps)
+    doc_values: np.ndarray | None = None  # [layer, cells, n_head_kv*dim] F16, for the attention-output error
 
     @property
     def n_doc(self) -> int:
@@ -41,6 +43,10 @@ class CaseCapture:
 
     def save(self, path: Path) -> None:
         arrays = {"doc_keys": self.doc_keys, "facts": self.facts, "correct": self.correct, "depths": self.depths}
+        if self.n_question is not None:
+            arrays["n_question"] = self.n_question
+        if self.doc_values is not None:
+            arrays["doc_values"] = self.doc_values
         for i, (q, k) in enumerate(zip(self.probes_q, self.probes_k)):
             arrays[f"q{i}"], arrays[f"k{i}"] = q.astype(np.float16), k.astype(np.float16)
         tmp = path.with_name(path.name + ".tmp.npz")
@@ -52,7 +58,9 @@ class CaseCapture:
         with np.load(path) as z:
             n = len(z["facts"])
             return cls(path.stem, z["doc_keys"], [z[f"q{i}"].astype(np.float32) for i in range(n)],
-                       [z[f"k{i}"].astype(np.float32) for i in range(n)], z["facts"], z["correct"], z["depths"])
+                       [z[f"k{i}"].astype(np.float32) for i in range(n)], z["facts"], z["correct"], z["depths"],
+                       z["n_question"] if "n_question" in z.files else None,
+                       z["doc_values"] if "doc_values" in z.files else None)
 
 
 def fact_span(session, needle: str) -> tuple[int, int]:
@@ -77,7 +85,7 @@ def needle_of(case: Case, probe: Probe) -> str:
 
 def capture_case(session, case: Case, name: str, max_tokens: int, log: Callable[[str], None] = print) -> CaseCapture:
     """Dense decode of every probe of `case`, recording Q and K of every layer at every step."""
-    from kvlocal.evals.lab_capture import QKCapture, state_keys
+    from kvlocal.evals.lab_capture import QKCapture, state_kv
     from kvlocal.evals.tasks import score
     from kvlocal.routing import RouteConfig
 
@@ -88,9 +96,10 @@ def capture_case(session, case: Case, name: str, max_tokens: int, log: Callable[
     with capture.installed():
         result = session.load_document(case.text, label=f"lab {name}")
     log(f"{name}: {result.n_tokens:,} tokens ({'cached state' if result.cache_hit else f'prefilled in {result.seconds:.0f} s'})")
-    _, doc_keys = state_keys(session._get_state(), info.n_layer, info.n_head_kv * head_dim)
-    qs, ks, facts, correct = [], [], [], []
+    _, doc_keys, doc_values = state_kv(session._get_state(), info.n_layer, info.n_head_kv * head_dim)
+    qs, ks, facts, correct, n_question = [], [], [], [], []
     for probe in case.probes:
+        n_question.append(question_steps(session, probe.question))
         capture.reset()
         capture.active = True
         try:
@@ -105,7 +114,12 @@ def capture_case(session, case: Case, name: str, max_tokens: int, log: Callable[
         log(f"  depth {probe.depth:.2f}: {len(q)} steps, dense answer {answer.text.strip()[:40]!r} "
             f"({'right' if correct[-1] else 'wrong'})")
     return CaseCapture(name, doc_keys, qs, ks, np.array(facts), np.array(correct),
-                       np.array([p.depth for p in case.probes]))
+                       np.array([p.depth for p in case.probes]), np.array(n_question), doc_values)
+
+
+def question_steps(session, question: str) -> int:
+    """Decode steps that read the question (its tokens and the template's turn change), as `Session.ask` feeds them."""
+    return len(session.tokenize_prompt(session.parts.question_segments(question), bos=False))
 
 
 @dataclass
@@ -116,6 +130,10 @@ class RuleTotals:
     layer_recall: dict  # layer -> list of recalls (far-reaching)
     hits: list  # per (probe, step): share of the top pairs whose fact region was read
     ranks: list
+    answer_hits: list  # per (probe, step) that predicts an answer token (the last question step on)
+    out_err: list = field(default_factory=list)  # per (answer step, layer, query head) attention-output error
+    out_err_est: list = field(default_factory=list)
+    layer_out_err: dict = field(default_factory=lambda: defaultdict(list))
     rows_read: int = 0
     rows_scan: int = 0
     rows_dense: int = 0
@@ -132,6 +150,9 @@ def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], 
         group = n_head // n_head_kv
         pos = cap.n_doc + np.arange(n_steps)
         fact = tuple(int(x) for x in cap.facts[i])
+        n_q = int(cap.n_question[i]) if cap.n_question is not None else 0
+        # the steps that predict an answer token: the last question step on, not the one predicting the end
+        answer_steps = np.arange(n_q - 1, n_steps - 1) if n_q else None
         fixed0, _ = geo.fixed_and_candidates(int(pos[0]))
         fact_region = (fact[0] + fact[1]) // 2 // geo.region
         if only_outside and fact_region in set(fixed0.tolist()):
@@ -140,16 +161,17 @@ def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], 
         for il in range(n_layer):
             for h in range(n_head_kv):
                 keys = np.concatenate([cap.doc_keys[il, :, h * dim:(h + 1) * dim].astype(np.float32), k_all[:, il, h]])
-                head = Head(q_all[:, il, h * group:(h + 1) * group], keys, pos, 1.0 / np.sqrt(dim))
+                head = Head(q_all[:, il, h * group:(h + 1) * group], keys, pos, 1.0 / np.sqrt(dim), n_q)
+                values = None if cap.doc_values is None else cap.doc_values[il, :, h * dim:(h + 1) * dim].astype(np.float32)
                 for name in rules:
-                    for k, result in replay(head, geo, RULES[name], budgets, fact).items():
+                    for k, result in replay(head, geo, RULES[name], budgets, fact, values, answer_steps).items():
                         per[(name, k)].append((il, h, result))
         for key, results in per.items():
-            _accumulate(totals.setdefault(key, RuleTotals([], defaultdict(list), [], [])), results, group)
+            _accumulate(totals.setdefault(key, RuleTotals([], defaultdict(list), [], [], [])), results, group, n_q)
     return totals
 
 
-def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group: int) -> None:
+def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group: int, n_q: int = 0) -> None:
     for il, _, r in results:
         far = r.tail >= FAR_TAIL
         rec = (r.got[far] / r.tail[far]).tolist()
@@ -158,6 +180,10 @@ def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group
         t.rows_read += int(r.rows_read.sum())
         t.rows_scan += int(r.rows_scan.sum())
         t.rows_dense += int(r.rows_dense.sum())
+        if r.out_err is not None:
+            t.out_err += r.out_err.ravel().tolist()
+            t.out_err_est += r.out_err_est.ravel().tolist()
+            t.layer_out_err[il] += r.out_err.ravel().tolist()
     n_steps = results[0][2].tail.shape[0]
     for s in range(n_steps):
         pairs = [(r.fact_mass[s, g], r.fact_hit[s, g], r.fact_rank[s]) for _, _, r in results for g in range(group)]
@@ -165,6 +191,8 @@ def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group
         top = [x for x in pairs[:TOP_PAIRS] if x[0] > 0.01]
         if top:
             t.hits.append(float(np.mean([x[1] for x in top])))
+            if n_q and s >= n_q - 1 and s < n_steps - 1:  # the last step predicts the end of the answer
+                t.answer_hits.append(t.hits[-1])
             t.ranks += [int(x[2]) for x in top if x[2] > 0]
 
 
@@ -180,20 +208,27 @@ def summarize(totals: dict) -> list[dict]:
             "recall_far": float(rec.mean()), "recall_far_p10": float(np.percentile(rec, 10)),
             "n_far": len(t.recall_far),
             "fact_hit": float(np.mean(t.hits)) if t.hits else float("nan"), "n_steps": len(t.hits),
+            "answer_hit": float(np.mean(t.answer_hits)) if t.answer_hits else float("nan"),
+            "answer_hit_all": float(np.mean(np.array(t.answer_hits) >= 1.0)) if t.answer_hits else float("nan"),
             "fact_rank_median": float(np.median(t.ranks)) if t.ranks else float("nan"),
             "reduction": dense_bytes / read if read else float("inf"),
+            "out_err": float(np.mean(t.out_err)) if t.out_err else float("nan"),
+            "out_err_est": float(np.mean(t.out_err_est)) if t.out_err_est else float("nan"),
+            "layer_out_err": {int(il): float(np.mean(v)) for il, v in sorted(t.layer_out_err.items()) if v},
             "layer_recall": {int(il): float(np.mean(v)) for il, v in sorted(t.layer_recall.items()) if v},
         })
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| rule | k | scan (x K bytes) | recall, far-reaching | worst decile | fact hit | fact rank (median) | KV bytes reduction |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| rule | k | scan (x K bytes) | recall, far-reaching | worst decile | fact hit | answer steps: fact hit | all top pairs | output error | + estimate | fact rank (median) | KV bytes reduction |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         scan = f"1/{1 / r['scan_share_of_k']:.0f}" if r["scan_share_of_k"] else "–"
         lines.append(f"| {r['rule']} | {r['top_k']} | {scan} | {r['recall_far']:.2f} | {r['recall_far_p10']:.2f} | "
-                     f"{r['fact_hit']:.2f} | {r['fact_rank_median']:.0f} | {r['reduction']:.1f}x |")
+                     f"{r['fact_hit']:.2f} | {r['answer_hit']:.2f} | {r['answer_hit_all']:.2f} | {r['out_err']:.2f} | "
+                     f"{r['out_err_est']:.2f} | {r['fact_rank_median']:.0f} | "
+                     f"{r['reduction']:.1f}x |")
     return "\n".join(lines)
 
 

@@ -106,6 +106,14 @@ class QKCapture:
 def state_keys(state: bytes, n_layer: int, n_embd_k_gqa: int) -> tuple[np.ndarray, np.ndarray]:
     """(positions [n_cells], keys [n_layer, n_cells, n_embd_k_gqa] F16) of one sequence's saved state
     (llama_state_seq_get_data of a standard KV cache: one stream, cells in position order)."""
+    pos, keys, _ = state_kv(state, n_layer, n_embd_k_gqa, with_values=False)
+    return pos, keys
+
+
+def state_kv(state: bytes, n_layer: int, n_embd_gqa: int, with_values: bool = True
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(positions, keys, values or None) of one sequence's saved state; values need an untransposed
+    V cache (flash attention on), [n_layer, n_cells, n_embd_gqa] F16 like the keys."""
     off = 0
 
     def take(fmt: str):
@@ -127,13 +135,23 @@ def state_keys(state: bytes, n_layer: int, n_embd_k_gqa: int) -> tuple[np.ndarra
     v_trans, n_layer_state = take("II")
     if n_layer_state != n_layer:
         raise EngineError(f"the state holds {n_layer_state} layers, the model {n_layer}")
-    keys = np.zeros((n_layer, n_cells, n_embd_k_gqa), np.float16)
-    for il in range(n_layer):
-        k_type, row = take("iQ")
-        if k_type != GGML_TYPE_F16 or row != 2 * n_embd_k_gqa:
-            raise EngineError("the lab reads F16 key caches only")
-        keys[il] = np.frombuffer(state, np.float16, n_cells * n_embd_k_gqa, off).reshape(n_cells, n_embd_k_gqa)
-        off += n_cells * row
     if np.any(np.diff(pos) != 1):
         raise EngineError("the state's cells are not one run of consecutive positions")
-    return pos, keys
+
+    def rows(what: str) -> np.ndarray:
+        nonlocal off
+        out = np.zeros((n_layer, n_cells, n_embd_gqa), np.float16)
+        for il in range(n_layer):
+            kind, row = take("iQ")
+            if kind != GGML_TYPE_F16 or row != 2 * n_embd_gqa:
+                raise EngineError(f"the lab reads F16 {what} caches only")
+            out[il] = np.frombuffer(state, np.float16, n_cells * n_embd_gqa, off).reshape(n_cells, n_embd_gqa)
+            off += n_cells * row
+        return out
+
+    keys = rows("key")
+    if not with_values:
+        return pos, keys, None
+    if v_trans:
+        raise EngineError("the lab reads untransposed V caches only (flash attention on)")
+    return pos, keys, rows("value")

@@ -45,6 +45,7 @@ class Head:
     keys: np.ndarray  # [cells, dim] F32, cell i at position i
     pos: np.ndarray  # [steps] position of each step's token
     scale: float
+    n_question: int = 0  # the first n_question steps read the question, the rest the answer
     _cache: dict = field(default_factory=dict, repr=False)
 
     def logits(self) -> np.ndarray:
@@ -201,6 +202,39 @@ def persistent_rule(rule: Rule, gamma: float, combine: str = "max") -> Rule:
     return wrapped
 
 
+def _softmax_over(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
+    z = np.where(cand, sc * scale, NEG)
+    z = z - z.max(axis=1, keepdims=True)
+    p = np.where(cand, np.exp(z), 0.0)
+    return p / p.sum(axis=1, keepdims=True)
+
+
+def question_pin_rule(rule: Rule, pins: int, evidence: str = "scores") -> Rule:
+    """Regions the question found stay read for the answer: every step first reads the `pins` regions
+    with the most evidence summed over the question steps before it (the softmax of the rule's
+    scores, or with evidence="mass" the exact attention mass: what a dense question pass would
+    know), then fills the rest of its budget by its own scores."""
+
+    def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        sc, scan = rule(head, geo, cand)
+        if evidence == "mass":
+            ev = region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1) * cand
+        else:
+            ev = _softmax_over(sc, cand, head.scale)
+        acc = np.zeros(ev.shape[1])
+        out = np.array(sc, dtype=np.float64)
+        for i in range(ev.shape[0]):
+            if i > 0 and pins:
+                pinned = np.argsort(-np.where(cand[i], acc, NEG), kind="stable")[:pins]
+                pinned = pinned[acc[pinned] > 0]
+                out[i, pinned] = 1e30 + acc[pinned]
+            if i < head.n_question:
+                acc += ev[i]
+        return out, scan
+
+    return wrapped
+
+
 def oracle_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
     """Upper bound: the regions holding the most true attention mass, summed over the group."""
     return region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1), np.zeros(len(head.pos))
@@ -244,6 +278,14 @@ RULES: dict[str, Rule] = {
     "mean4+keep.9": persistent_rule(mean_rule(4), 0.9),
     "two64/4x32+sum.9": persistent_rule(two_level_rule(64, 4, 32), 0.9, "sum"),
     "two64/4x32+sum.7": persistent_rule(two_level_rule(64, 4, 32), 0.7, "sum"),
+    "two64/4x32+q2": question_pin_rule(two_level_rule(64, 4, 32), 2),
+    "two64/4x32+q4": question_pin_rule(two_level_rule(64, 4, 32), 4),
+    "mean16+q2": question_pin_rule(mean_rule(16), 2),
+    "mean16+q4": question_pin_rule(mean_rule(16), 4),
+    "mean4+q2": question_pin_rule(mean_rule(4), 2),
+    "mean4+q4": question_pin_rule(mean_rule(4), 4),
+    "two64/4x32+qm2": question_pin_rule(two_level_rule(64, 4, 32), 2, "mass"),
+    "two64/4x32+qm4": question_pin_rule(two_level_rule(64, 4, 32), 4, "mass"),
     "token": token_max_rule,
     "oracle": oracle_rule,
 }
@@ -261,11 +303,48 @@ class HeadResult:
     rows_read: np.ndarray  # [steps] K/V rows gathered (cells of fixed + selected regions)
     rows_scan: np.ndarray  # [steps] key-sized rows of metadata scanned
     rows_dense: np.ndarray  # [steps] cells a dense step reads
+    out_err: np.ndarray | None = None  # [answer steps, group] attention-output error over the document
+    out_err_est: np.ndarray | None = None  # the same with the unread regions estimated from their means
 
 
-def replay(head: Head, geo: Geometry, rule: Rule, budgets: Sequence[int], fact: tuple[int, int]) -> dict[int, HeadResult]:
+def output_error(head: Head, values: np.ndarray, read: np.ndarray, cand: np.ndarray, steps: np.ndarray,
+                 geo: Geometry) -> tuple[np.ndarray, np.ndarray]:
+    """Relative error ||o_routed - o_dense|| / ||o_dense|| of each query head's attention output over
+    the document's cells (values: [n_doc, dim]; the question and answer tokens' own values are not
+    captured, so both outputs leave them out), at `steps`, reading the regions `read` [steps, n_reg].
+    Second: the same when every unread candidate region adds its mean key and mean value, weighted by
+    its cell count (RetroInfer's estimate of the unread mass, here at region granularity)."""
+    n_doc = values.shape[0]
+    n_reg = read.shape[1]
+    lg = head.logits()[steps][:, :, :n_doc]  # [a, g, n_doc]
+    m = lg.max(axis=-1, keepdims=True)
+    w = np.exp(lg - m)
+    o_dense = np.einsum("agt,td->agd", w, values) / w.sum(-1)[..., None]
+    cells_read = np.repeat(read[steps], geo.region, axis=1)[:, :n_doc]  # [a, n_doc]
+    wr = w * cells_read[:, None, :]
+    num, den = np.einsum("agt,td->agd", wr, values), wr.sum(-1)[..., None]
+    o_routed = num / den
+    if "region_means" not in head._cache:
+        pad = n_reg * geo.region - n_doc
+        count = np.clip(n_doc - np.arange(n_reg) * geo.region, 0, geo.region).astype(np.float32)
+        safe = np.maximum(count, 1)[:, None]
+        kc = np.concatenate([head.keys[:n_doc], np.zeros((pad, values.shape[1]), np.float32)]).reshape(n_reg, geo.region, -1).sum(1) / safe
+        vc = np.concatenate([values, np.zeros((pad, values.shape[1]), np.float32)]).reshape(n_reg, geo.region, -1).sum(1) / safe
+        head._cache["region_means"] = (kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32), count)
+    kc, vc, count = head._cache["region_means"]
+    unread = cand[steps] & ~read[steps] & (count > 0)[None, :]  # [a, n_reg]
+    le = np.einsum("agd,rd->agr", head.q[steps], kc) * np.float32(head.scale) + np.log(np.maximum(count, 1))[None, None, :]
+    we = np.where(unread[:, None, :], np.exp(le - m), 0.0)
+    o_est = (num + np.einsum("agr,rd->agd", we, vc)) / (den + we.sum(-1)[..., None])
+    norm = np.linalg.norm(o_dense, axis=-1)
+    return (np.linalg.norm(o_routed - o_dense, axis=-1) / norm, np.linalg.norm(o_est - o_dense, axis=-1) / norm)
+
+
+def replay(head: Head, geo: Geometry, rule: Rule, budgets: Sequence[int], fact: tuple[int, int],
+           values: np.ndarray | None = None, error_steps: np.ndarray | None = None) -> dict[int, HeadResult]:
     """Select the top-k candidate regions per step with `rule`, for every k in `budgets`, and measure
-    against exact attention. `fact` is the [start, end) cell span of the asked fact."""
+    against exact attention. `fact` is the [start, end) cell span of the asked fact; with the
+    document's `values`, the attention-output error is measured at `error_steps`."""
     n_steps = len(head.pos)
     n_reg = _n_regions(head, geo)
     p = head.probs()
@@ -299,8 +378,12 @@ def replay(head: Head, geo: Geometry, rule: Rule, budgets: Sequence[int], fact: 
             chosen = order[i, : min(top_k, int(cand[i].sum()))]
             sel[i, chosen[np.isfinite(scores[i, chosen])]] = True
         read = sel | fixed
+        errors = (None, None)
+        if values is not None and error_steps is not None and len(error_steps):
+            errors = output_error(head, values, read, cand, error_steps, geo)
         results[top_k] = HeadResult(
             tail=tail, got=(mass * sel[:, None, :]).sum(-1), fact_mass=fact_mass,
             fact_hit=np.take_along_axis(read, region_of, axis=1), fact_rank=fact_rank,
-            rows_read=(region_cells * read).sum(axis=1), rows_scan=scan.astype(np.int64), rows_dense=n_cells)
+            rows_read=(region_cells * read).sum(axis=1), rows_scan=scan.astype(np.int64), rows_dense=n_cells,
+            out_err=errors[0], out_err_est=errors[1])
     return results
