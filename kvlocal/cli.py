@@ -15,6 +15,7 @@ from kvlocal.errors import KvlocalError
 from kvlocal.route_settings import (
     CENTROID_BLOCKS,
     DEFAULT_CENTROID_BLOCK as CENTROID_BLOCK,
+    DEFAULT_ESTIMATE as ESTIMATE,
     DEFAULT_KEEP as KEEP,
     DEFAULT_REGION as REGION,
     DEFAULT_SHORTLIST as SHORTLIST,
@@ -101,6 +102,10 @@ KeepOpt = Annotated[float, typer.Option(
     "--keep", min=0.0, max=0.999, help="Selection memory over the steps of one answer: a region keeps this share of "
     "what it scored on the step before, so a region the question found stays read while the answer is copied from "
     "it. 0 selects afresh at every step.")]
+EstimateOpt = Annotated[bool, typer.Option(
+    "--estimate/--no-estimate", help="Regions a step does not read still join its attention, each as its mean key and "
+    "mean value weighted by its token count, so the softmax keeps the mass routing would drop (reads one mean value "
+    "per region). Needs 64-token regions and a centroid block under 64.")]
 SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=MAX_SEED, help="Seed for random routing and sampling.")]
 
 
@@ -115,11 +120,11 @@ def _text_arg(text: str) -> str:
 
 
 def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0,
-           shortlist: int = SHORTLIST, keep: float = KEEP):
+           shortlist: int = SHORTLIST, keep: float = KEEP, estimate: bool = ESTIMATE):
     from kvlocal.routing import RouteConfig, check_region_block
 
     config = RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed,
-                         shortlist=shortlist, keep=keep)
+                         shortlist=shortlist, keep=keep, estimate=estimate)
     check_region_block(region, centroid_block)
     return config
 
@@ -210,13 +215,14 @@ def ask(
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
+    estimate: EstimateOpt = ESTIMATE,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
     from kvlocal.ingest import load_document
     from kvlocal.session import check_ask_settings
 
-    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep)
+    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate)
     question = _text_arg(question)  # the document stays as given: a path
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
@@ -236,7 +242,7 @@ def demo(
     from kvlocal import paths
     from kvlocal.sample import SAMPLE_QUESTION, write_sample
 
-    route_cfg = _route(route, 8, 64, 128, 64, 0)
+    route_cfg = _route(route, TOP_K, REGION, WINDOW, SINKS, 0)
     path = write_sample(paths.cache_root() / "sample" / "halvard-ridge-report.txt")
     err(f"kvlocal: sample document {path}")
     err(f"kvlocal: question: {SAMPLE_QUESTION}")
@@ -412,6 +418,7 @@ def eval_(
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
+    estimate: EstimateOpt = ESTIMATE,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
@@ -435,11 +442,11 @@ def eval_(
         tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=[m.strip() for m in modes.split(",")],
         seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks,
         sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K),
-        shortlist=shortlist, keep=keep,
+        shortlist=shortlist, keep=keep, estimate=estimate,
         max_tokens=max_tokens,
     )
     for mode in config.modes:
-        _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep)  # validates
+        _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate)  # validates
     unknown = [t for t in config.tasks if t not in TASKS]
     if unknown or not config.tasks:
         raise UsageError(f"--tasks: {', '.join(unknown) or 'none given'}; choose from {', '.join(TASKS)}")
@@ -544,6 +551,10 @@ def lab(
     print(lab_mod.markdown(rows))
     print()
     print(lab_mod.layer_markdown(rows, names))
+    errors = lab_mod.layer_error_markdown(rows)
+    if errors:
+        print()
+        print(errors)
 
 
 @app.command()
@@ -560,6 +571,7 @@ def bench(
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
+    estimate: EstimateOpt = ESTIMATE,
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
 ) -> None:
@@ -571,7 +583,7 @@ def bench(
     from kvlocal.evals.runner import make_case
     from kvlocal.units import human_bytes
 
-    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep)
+    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate)
     context_lengths = _lengths(lengths)
     if out:
         _check_out_file(out)

@@ -31,6 +31,11 @@ DEFAULT_SHORTLIST = 32
 # max(its share now, KEEP x what it had the step before). 0 selects afresh at every step.
 DEFAULT_KEEP = 0.9
 
+# The estimate of the unread regions (patch 0008): every region a step does not read joins its
+# attention as its mean key and mean value, weighted by its cell count, so the softmax keeps the
+# mass routing would drop. Needs 64-token regions and a centroid block under 64.
+DEFAULT_ESTIMATE = False
+
 # -- bounds -----------------------------------------------------------------------------------------
 # The largest values the CLI accepts (typer min/max: a usage error before any work) and RouteConfig
 # validates (the core refuses them too). The engine takes these as 32-bit ints (the seed as uint32),

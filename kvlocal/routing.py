@@ -13,6 +13,7 @@ from kvlocal.engine import RouteStatsC, route_api
 from kvlocal.errors import UsageError
 from kvlocal.route_settings import (
     CENTROID_BLOCKS,
+    DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
     DEFAULT_MODE,
     DEFAULT_REGION,
@@ -76,6 +77,7 @@ class RouteConfig:
     seed: int = 0
     shortlist: int = DEFAULT_SHORTLIST  # regions the coarse centroids shortlist for the fine ones (0: one level)
     keep: float = DEFAULT_KEEP  # selection memory: decay per step of a region's remembered share (0: none)
+    estimate: bool = DEFAULT_ESTIMATE  # unread regions join the attention as their mean key and value
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
@@ -99,7 +101,7 @@ class RouteConfig:
     def apply(self, ctx: ctypes.c_void_p) -> None:
         rc = route_api().llama_kv_route_set(
             ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF,
-            self.shortlist, self.keep,
+            self.shortlist, self.keep, int(self.estimate),
         )
         if rc != 0:
             blk = route_api().llama_kv_route_cent_blk(ctx)
@@ -113,6 +115,8 @@ class RouteConfig:
             text += f", shortlist {self.shortlist}"
         if self.route_mode == RouteMode.GEOMETRIC and self.keep:
             text += f", keep {self.keep:g}"
+        if self.estimate:
+            text += ", unread regions estimated"
         return text
 
 

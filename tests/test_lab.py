@@ -97,15 +97,16 @@ def test_output_error_is_zero_when_everything_is_read_and_the_estimate_exact_for
     cand[:, 1:4] = True
     steps = np.arange(2)
     everything = np.ones((2, 5), bool)
-    err, err_est = lab_rules.output_error(head, values, everything, cand, steps, GEO)
+    err, err_est, err_var = lab_rules.output_error(head, values, everything, cand, steps, GEO)
     np.testing.assert_allclose(err, 0, atol=1e-6)
     np.testing.assert_allclose(err_est, 0, atol=1e-6)
+    np.testing.assert_allclose(err_var, 0, atol=1e-6)
     fixed_only = ~cand
-    err, err_est = lab_rules.output_error(head, values, fixed_only, cand, steps, GEO)
+    err, err_est, err_var = lab_rules.output_error(head, values, fixed_only, cand, steps, GEO)
     assert (err > 1e-3).all()  # three regions dropped
     # cells of one key share one weight, so a region's mean key and mean value (times its count) give
     # exactly its share of the output: only the F16 rounding of the means is left
-    assert (err_est < 1e-3).all()
+    assert (err_est < 1e-3).all() and (err_var < 1e-3).all()  # no spread: no correction
 
 
 def test_rules_registry_names_callables():

@@ -67,23 +67,24 @@ def test_engine_is_patched_and_current():
     assert info.current, (info.patchset, info.repo_patchset)
 
 
-def oracle_runs(raw: RawContext, steps: list[int], shortlist: int = 0):
+def oracle_runs(raw: RawContext, steps: list[int], shortlist: int = 0, estimate: bool = False):
     """Prefill N_DOC tokens, then decode `steps` densely, with every region routed, and with one."""
     raw.decode(doc_tokens(N_DOC))
     return [decode_steps(raw, N_DOC, steps, route) for route in (
         RouteConfig(mode="full"),
-        RouteConfig(mode="geometric", top_k=1000, region=64, shortlist=shortlist),
-        RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist),
+        RouteConfig(mode="geometric", top_k=1000, region=64, shortlist=shortlist, estimate=estimate),
+        RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, estimate=estimate),
     )]
 
 
+@pytest.mark.parametrize("estimate", [False, True])  # with every region read, nothing is left to estimate
 @pytest.mark.parametrize("shortlist", [0, 16])  # one scoring pass; two levels (coarse shortlist, fine choice)
 @pytest.mark.parametrize("kv_type, which", [(1, "tiny"), (8, "m64")])
-def test_all_regions_reproduce_dense(tiny_model, model64, kv_type, which, shortlist):
+def test_all_regions_reproduce_dense(tiny_model, model64, kv_type, which, shortlist, estimate):
     path = tiny_model if which == "tiny" else model64
     raw = RawContext(path, n_ctx=2048, kv_type=kv_type)
     try:
-        dense, routed, small = oracle_runs(raw, doc_tokens(12, seed=1), shortlist)
+        dense, routed, small = oracle_runs(raw, doc_tokens(12, seed=1), shortlist, estimate)
     finally:
         raw.close()
     diff = max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, routed))
@@ -155,12 +156,43 @@ def test_geometric_stats_count_centroid_bytes(tiny_model):
     assert rnd.bytes_meta == 0
 
 
+@pytest.mark.parametrize("shortlist", [0, 6])
+def test_estimate_counts_its_reads_and_moves_a_tight_budget_towards_dense(tiny_model, shortlist):
+    """The estimate reads one mean value per region and KV head (and one mean key, unless the coarse
+    pass scanned them); it gathers the same rows; at top-1 its logits are closer to dense ones."""
+    raw = RawContext(tiny_model, n_ctx=2048)
+    steps = doc_tokens(8, seed=2)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        dense = decode_steps(raw, N_DOC, steps, RouteConfig(mode="full"))
+        plain = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, keep=0))
+        est = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, keep=0,
+                                                          estimate=True))
+        rnd = decode_steps(raw, N_DOC, steps[:1], RouteConfig(mode="random", top_k=1, region=64, estimate=True))
+    finally:
+        raw.close()
+    n_layer, n_head_kv, head_dim = 2, 2, 16
+    for (_, a), (_, b) in zip(plain, est):
+        n_reg = -(-a.n_kv // 64)
+        row = n_head_kv * head_dim * 2  # one F16 row of every KV head
+        per_layer = n_reg * row * (1 if shortlist else 2)  # mean values (+ mean keys for one-pass scoring)
+        assert b.bytes_meta - a.bytes_meta == n_layer * per_layer
+        assert b.bytes_kv == a.bytes_kv and b.rows_read == a.rows_read
+        assert b.n_sel == a.n_sel
+    # the first layer of the first step chooses from the same inputs (later ones see other hidden states)
+    assert (est[0][1].regions[0] == plain[0][1].regions[0]).all()
+    assert rnd[0][1].bytes_meta == n_layer * n_reg * row * 2  # random scans nothing, but reads the means
+    err_plain = np.mean([np.abs(d[0] - p[0]).mean() for d, p in zip(dense, plain)])
+    err_est = np.mean([np.abs(d[0] - e[0]).mean() for d, e in zip(dense, est)])
+    assert err_est < 0.8 * err_plain, (err_est, err_plain)
+
+
 def test_route_graph_uses_gpu_ops_only(tiny_model):
     rec = GraphRecorder()
     raw = RawContext(tiny_model, n_ctx=2048, recorder=rec)
     try:
         raw.decode(doc_tokens(700))
-        RouteConfig(mode="geometric", top_k=2, region=64).apply(raw.ctx)
+        RouteConfig(mode="geometric", top_k=2, region=64, estimate=True).apply(raw.ctx)
         rec.recording = True
         raw.decode([7])
         rec.recording = False
@@ -168,7 +200,7 @@ def test_route_graph_uses_gpu_ops_only(tiny_model):
         raw.close()
     ops = {op for op, _ in rec.nodes}
     names = {name.rsplit("-", 1)[0] for _, name in rec.nodes}
-    assert {"kv_route_scores", "kv_route_sel", "kv_route_fattn", "kv_cent_upd"} <= names
+    assert {"kv_route_scores", "kv_route_sel", "kv_route_fattn", "kv_cent_upd", "kv_route_est", "kv_vmean_upd"} <= names
     assert ops <= GPU_OPS, f"ops outside the CUDA/Metal set: {sorted(ops - GPU_OPS)}"
 
 

@@ -133,6 +133,8 @@ class RuleTotals:
     answer_hits: list  # per (probe, step) that predicts an answer token (the last question step on)
     out_err: list = field(default_factory=list)  # per (answer step, layer, query head) attention-output error
     out_err_est: list = field(default_factory=list)
+    out_err_var: list = field(default_factory=list)
+    layer_out_err_est: dict = field(default_factory=lambda: defaultdict(list))
     layer_out_err: dict = field(default_factory=lambda: defaultdict(list))
     rows_read: int = 0
     rows_scan: int = 0
@@ -183,6 +185,8 @@ def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group
         if r.out_err is not None:
             t.out_err += r.out_err.ravel().tolist()
             t.out_err_est += r.out_err_est.ravel().tolist()
+            t.out_err_var += r.out_err_var.ravel().tolist()
+            t.layer_out_err_est[il] += r.out_err_est.ravel().tolist()
             t.layer_out_err[il] += r.out_err.ravel().tolist()
     n_steps = results[0][2].tail.shape[0]
     for s in range(n_steps):
@@ -214,6 +218,8 @@ def summarize(totals: dict) -> list[dict]:
             "reduction": dense_bytes / read if read else float("inf"),
             "out_err": float(np.mean(t.out_err)) if t.out_err else float("nan"),
             "out_err_est": float(np.mean(t.out_err_est)) if t.out_err_est else float("nan"),
+            "out_err_var": float(np.mean(t.out_err_var)) if t.out_err_var else float("nan"),
+            "layer_out_err_est": {int(il): float(np.mean(v)) for il, v in sorted(t.layer_out_err_est.items()) if v},
             "layer_out_err": {int(il): float(np.mean(v)) for il, v in sorted(t.layer_out_err.items()) if v},
             "layer_recall": {int(il): float(np.mean(v)) for il, v in sorted(t.layer_recall.items()) if v},
         })
@@ -221,13 +227,13 @@ def summarize(totals: dict) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| rule | k | scan (x K bytes) | recall, far-reaching | worst decile | fact hit | answer steps: fact hit | all top pairs | output error | + estimate | fact rank (median) | KV bytes reduction |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| rule | k | scan (x K bytes) | recall, far-reaching | worst decile | fact hit | answer steps: fact hit | all top pairs | output error | + estimate | + variance | fact rank (median) | KV bytes reduction |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         scan = f"1/{1 / r['scan_share_of_k']:.0f}" if r["scan_share_of_k"] else "–"
         lines.append(f"| {r['rule']} | {r['top_k']} | {scan} | {r['recall_far']:.2f} | {r['recall_far_p10']:.2f} | "
                      f"{r['fact_hit']:.2f} | {r['answer_hit']:.2f} | {r['answer_hit_all']:.2f} | {r['out_err']:.2f} | "
-                     f"{r['out_err_est']:.2f} | {r['fact_rank_median']:.0f} | "
+                     f"{r['out_err_est']:.2f} | {r['out_err_var']:.2f} | {r['fact_rank_median']:.0f} | "
                      f"{r['reduction']:.1f}x |")
     return "\n".join(lines)
 
@@ -242,4 +248,18 @@ def layer_markdown(rows: list[dict], rules: Sequence[str]) -> str:
     lines = ["| layer | " + " | ".join(r["rule"] for r in cols) + " |", "|---:|" + "---:|" * len(cols)]
     for il in layers:
         lines.append(f"| {il} | " + " | ".join(f"{r['layer_recall'].get(il, float('nan')):.2f}" for r in cols) + " |")
+    return "\n".join(lines)
+
+
+def layer_error_markdown(rows: list[dict]) -> str:
+    """Attention-output error per layer at the answer steps, for every (rule, budget) that measured it:
+    routed alone / with the region-mean estimate of the unread mass."""
+    cols = [r for r in rows if r.get("layer_out_err")]
+    if not cols:
+        return ""
+    layers = sorted({il for r in cols for il in r["layer_out_err"]})
+    lines = ["| layer | " + " | ".join(f"{r['rule']} k={r['top_k']}" for r in cols) + " |", "|---:|" + "---:|" * len(cols)]
+    for il in layers:
+        cells = [f"{r['layer_out_err'].get(il, float('nan')):.2f} / {r['layer_out_err_est'].get(il, float('nan')):.2f}" for r in cols]
+        lines.append(f"| {il} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -305,15 +305,18 @@ class HeadResult:
     rows_dense: np.ndarray  # [steps] cells a dense step reads
     out_err: np.ndarray | None = None  # [answer steps, group] attention-output error over the document
     out_err_est: np.ndarray | None = None  # the same with the unread regions estimated from their means
+    out_err_var: np.ndarray | None = None  # ... and the logit raised by half the query's variance over the region
 
 
 def output_error(head: Head, values: np.ndarray, read: np.ndarray, cand: np.ndarray, steps: np.ndarray,
-                 geo: Geometry) -> tuple[np.ndarray, np.ndarray]:
+                 geo: Geometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Relative error ||o_routed - o_dense|| / ||o_dense|| of each query head's attention output over
     the document's cells (values: [n_doc, dim]; the question and answer tokens' own values are not
     captured, so both outputs leave them out), at `steps`, reading the regions `read` [steps, n_reg].
     Second: the same when every unread candidate region adds its mean key and mean value, weighted by
-    its cell count (RetroInfer's estimate of the unread mass, here at region granularity)."""
+    its cell count (RetroInfer's estimate of the unread mass, here at region granularity). Third: the
+    estimate's logit raised by q^T diag(var) q / 2 (the log-normal correction: the mean key scores a
+    region's mean logit, its mass follows the logits' spread too), var the per-channel key variance."""
     n_doc = values.shape[0]
     n_reg = read.shape[1]
     lg = head.logits()[steps][:, :, :n_doc]  # [a, g, n_doc]
@@ -330,14 +333,20 @@ def output_error(head: Head, values: np.ndarray, read: np.ndarray, cand: np.ndar
         safe = np.maximum(count, 1)[:, None]
         kc = np.concatenate([head.keys[:n_doc], np.zeros((pad, values.shape[1]), np.float32)]).reshape(n_reg, geo.region, -1).sum(1) / safe
         vc = np.concatenate([values, np.zeros((pad, values.shape[1]), np.float32)]).reshape(n_reg, geo.region, -1).sum(1) / safe
-        head._cache["region_means"] = (kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32), count)
-    kc, vc, count = head._cache["region_means"]
+        k2 = np.concatenate([head.keys[:n_doc] ** 2, np.zeros((pad, values.shape[1]), np.float32)]).reshape(n_reg, geo.region, -1).sum(1) / safe
+        var = np.maximum(k2 - kc * kc, 0)
+        head._cache["region_means"] = tuple(x.astype(np.float16).astype(np.float32) for x in (kc, vc, var)) + (count,)
+    kc, vc, var, count = head._cache["region_means"]
     unread = cand[steps] & ~read[steps] & (count > 0)[None, :]  # [a, n_reg]
     le = np.einsum("agd,rd->agr", head.q[steps], kc) * np.float32(head.scale) + np.log(np.maximum(count, 1))[None, None, :]
     we = np.where(unread[:, None, :], np.exp(le - m), 0.0)
     o_est = (num + np.einsum("agr,rd->agd", we, vc)) / (den + we.sum(-1)[..., None])
+    qs = head.q[steps] * np.float32(head.scale)
+    lv = le + 0.5 * np.einsum("agd,rd->agr", qs * qs, var)
+    wv = np.where(unread[:, None, :], np.exp(np.minimum(lv - m, 80.0)), 0.0)
+    o_var = (num + np.einsum("agr,rd->agd", wv, vc)) / (den + wv.sum(-1)[..., None])
     norm = np.linalg.norm(o_dense, axis=-1)
-    return (np.linalg.norm(o_routed - o_dense, axis=-1) / norm, np.linalg.norm(o_est - o_dense, axis=-1) / norm)
+    return tuple(np.linalg.norm(o - o_dense, axis=-1) / norm for o in (o_routed, o_est, o_var))
 
 
 def replay(head: Head, geo: Geometry, rule: Rule, budgets: Sequence[int], fact: tuple[int, int],
@@ -378,12 +387,12 @@ def replay(head: Head, geo: Geometry, rule: Rule, budgets: Sequence[int], fact: 
             chosen = order[i, : min(top_k, int(cand[i].sum()))]
             sel[i, chosen[np.isfinite(scores[i, chosen])]] = True
         read = sel | fixed
-        errors = (None, None)
+        errors = (None, None, None)
         if values is not None and error_steps is not None and len(error_steps):
             errors = output_error(head, values, read, cand, error_steps, geo)
         results[top_k] = HeadResult(
             tail=tail, got=(mass * sel[:, None, :]).sum(-1), fact_mass=fact_mass,
             fact_hit=np.take_along_axis(read, region_of, axis=1), fact_rank=fact_rank,
             rows_read=(region_cells * read).sum(axis=1), rows_scan=scan.astype(np.int64), rows_dense=n_cells,
-            out_err=errors[0], out_err_est=errors[1])
+            out_err=errors[0], out_err_est=errors[1], out_err_var=errors[2])
     return results

@@ -16,6 +16,7 @@ from pathlib import Path
 from kvlocal.errors import UsageError
 from kvlocal.evals.tasks import Case, build_case, score
 from kvlocal.route_settings import (
+    DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
     DEFAULT_REGION,
     DEFAULT_SHORTLIST,
@@ -49,6 +50,7 @@ class GridConfig:
     sweep: list[int] = field(default_factory=list)  # extra geometric budgets (top-k values)
     shortlist: int = DEFAULT_SHORTLIST  # two-level scoring (0: one pass over every fine centroid)
     keep: float = DEFAULT_KEEP  # selection memory (0: none)
+    estimate: bool = DEFAULT_ESTIMATE  # unread regions estimated from their means
     max_tokens: int | None = None  # None: ANSWER_TOKENS[task]
 
     def routes(self) -> Iterator[RouteConfig]:
@@ -61,7 +63,7 @@ class GridConfig:
 
     def route(self, mode: str, top_k: int) -> RouteConfig:
         return RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks,
-                           shortlist=self.shortlist, keep=self.keep)
+                           shortlist=self.shortlist, keep=self.keep, estimate=self.estimate)
 
 
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
@@ -97,7 +99,8 @@ def row_key(row: dict) -> tuple:
             row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", BLOCK_BEFORE_RECORDED),
             row.get("max_tokens", task_answer_tokens(row["task"])),  # older rows ran at the task's default
             row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
-            row.get("keep", 0.0))  # ... and selected afresh at every step
+            row.get("keep", 0.0),  # ... and selected afresh at every step
+            row.get("estimate", False))  # ... and dropped the unread regions' mass
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -165,7 +168,7 @@ def _key(length, task, seed, probe_index, route, haystack_name, centroid_block, 
     return row_key({"length": length, "task": task, "seed": seed, "probe": probe_index, "mode": route.mode,
                     "top_k": route.top_k, "region": route.region, "window": route.window, "sinks": route.sinks,
                     "haystack": haystack_name, "centroid_block": centroid_block, "max_tokens": max_tokens,
-                    "shortlist": route.shortlist, "keep": route.keep})
+                    "shortlist": route.shortlist, "keep": route.keep, "estimate": route.estimate})
 
 
 def _load(session: Session, case: Case, length: int, seed: int, log) -> dict:
