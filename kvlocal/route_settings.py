@@ -34,7 +34,7 @@ DEFAULT_KEEP = 0.9
 # The estimate of the unread regions (patch 0008): every region a step does not read joins its
 # attention as its mean key and mean value, weighted by its cell count, so the softmax keeps the
 # mass routing would drop. Needs 64-token regions and a centroid block under 64.
-DEFAULT_ESTIMATE = False
+DEFAULT_ESTIMATE = True
 
 # -- bounds -----------------------------------------------------------------------------------------
 # The largest values the CLI accepts (typer min/max: a usage error before any work) and RouteConfig

@@ -43,10 +43,10 @@ def test_sweep_counts_centroid_block_as_part_of_the_budget():
 
 
 def test_main_cells_use_the_default_scoring_when_others_ran_too():
-    from kvlocal.route_settings import DEFAULT_KEEP, DEFAULT_SHORTLIST
+    from kvlocal.route_settings import DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_SHORTLIST
 
     default = dict(_row("geometric", 0.0, block=report.DEFAULT_CENTROID_BLOCK, bytes_read=80, bytes_meta=30),
-                   shortlist=DEFAULT_SHORTLIST, keep=DEFAULT_KEEP)
+                   shortlist=DEFAULT_SHORTLIST, keep=DEFAULT_KEEP, estimate=DEFAULT_ESTIMATE)
     rows = [
         _row("full", 1.0, bytes_read=1000),
         _row("window", 0.0, bytes_read=50),
@@ -116,9 +116,10 @@ def test_sweep_points_carry_their_interval_and_a_differing_n():
 def test_scoring_configurations_are_told_apart():
     """Two-level scoring and the selection memory are part of a budget point; the default scoring
     makes the main cells and carries no label."""
-    from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_KEEP, DEFAULT_SHORTLIST
+    from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_SHORTLIST
 
-    default = {"centroid_block": DEFAULT_CENTROID_BLOCK, "shortlist": DEFAULT_SHORTLIST, "keep": DEFAULT_KEEP}
+    default = {"centroid_block": DEFAULT_CENTROID_BLOCK, "shortlist": DEFAULT_SHORTLIST, "keep": DEFAULT_KEEP,
+               "estimate": DEFAULT_ESTIMATE}
     rows = [
         _row("full", 1.0, bytes_read=1000),
         _row("window", 0.0, bytes_read=50),

@@ -105,7 +105,7 @@ def test_read_stats_are_exact_for_window_mode(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        route = RouteConfig(mode="window", top_k=3, region=64, window=128, sinks=64)
+        route = RouteConfig(mode="window", top_k=3, region=64, window=128, sinks=64, estimate=False)
         [(_, st)] = decode_steps(raw, N_DOC, [5], route)
     finally:
         raw.close()
@@ -132,10 +132,11 @@ def test_geometric_stats_count_centroid_bytes(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        [(_, st)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=0, keep=0))
+        [(_, st)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=0, keep=0,
+                                                             estimate=False))
         [(_, two)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=6,
-                                                               keep=0))
-        [(_, rnd)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="random", top_k=4, region=64, seed=7))
+                                                               keep=0, estimate=False))
+        [(_, rnd)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="random", top_k=4, region=64, seed=7, estimate=False))
     finally:
         raw.close()
     n_layer, n_head_kv, head_dim, cent_blk = 2, 2, 16, 16
@@ -165,7 +166,8 @@ def test_estimate_counts_its_reads_and_moves_a_tight_budget_towards_dense(tiny_m
     try:
         raw.decode(doc_tokens(N_DOC))
         dense = decode_steps(raw, N_DOC, steps, RouteConfig(mode="full"))
-        plain = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, keep=0))
+        plain = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, keep=0,
+                                                            estimate=False))
         est = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, keep=0,
                                                           estimate=True))
         rnd = decode_steps(raw, N_DOC, steps[:1], RouteConfig(mode="random", top_k=1, region=64, estimate=True))
@@ -248,7 +250,7 @@ def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch)
 
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
     text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(120))
-    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0)
+    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0, estimate=False)
 
     def first_step(session):
         for event in session.ask("which value?", route=route, max_tokens=1, want_regions=True):
@@ -283,7 +285,7 @@ def test_iswa_routes_the_full_attention_layers(iswa_model):
     raw = RawContext(iswa_model, n_ctx=2048)
     try:
         dense, routed, small = oracle_runs(raw, doc_tokens(8, seed=2))
-        [(_, win)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="window", top_k=3, region=64))
+        [(_, win)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="window", top_k=3, region=64, estimate=False))
     finally:
         raw.close()
     diff = max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, routed))
