@@ -490,6 +490,7 @@ def lab(
     rules: Annotated[str, typer.Option("--rules", help="Selection rules to replay (comma-separated), or 'all'.")] = "all",
     budgets: Annotated[str, typer.Option("--budgets", help="Regions selected per layer and KV head.")] = "8",
     out: Annotated[Path, typer.Option("--out", help="Folder for the captures (.npz) and lab.json.")] = Path("kvlocal-lab"),
+    layer_budget: Annotated[str, typer.Option("--layer-budget", help="Scale the budget per layer, e.g. 2-11:2,14-27:0.5 (layers 2-11 read twice the regions, 14-27 half); the reduction counts what each layer reads.")] = "",
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     region: RegionOpt = REGION,
@@ -544,9 +545,13 @@ def lab(
                                                log=lambda line: err(f"kvlocal: {line}"))
                     cap.save(path)
                 started = time.perf_counter()
-                lab_mod.replay_case(cap, names, ks, geo, totals)
+                try:
+                    scale = lab_mod.layer_scale(layer_budget, cap.doc_keys.shape[0]) if layer_budget else None
+                except ValueError as e:
+                    raise UsageError(f"--layer-budget: {e}") from None
+                lab_mod.replay_case(cap, names, ks, geo, totals, scale=scale)
                 err(f"kvlocal: {name}: replayed {len(names)} rules x {len(ks)} budgets in {time.perf_counter() - started:.0f} s")
-    rows = lab_mod.summarize(totals)
+    rows = [dict(r, layer_budget=layer_budget) for r in lab_mod.summarize(totals)]
     write_text_atomic(out / "lab.json", json.dumps(rows, indent=1))
     print(lab_mod.markdown(rows))
     print()

@@ -145,3 +145,12 @@ def test_capture_on_a_tiny_model(tmp_path):
     pos2, keys2, values = state_kv(bytes(buf), n_layer=2, n_embd_gqa=64)
     assert np.array_equal(pos2, pos) and np.array_equal(keys2, keys)
     assert values.shape == keys.shape and np.isfinite(values).all() and not np.array_equal(values, keys)
+
+
+def test_layer_budget_scale_parses_and_refuses():
+    from kvlocal.evals.lab import layer_scale
+
+    assert layer_scale("1-2:2,3:0.5", 5).tolist() == [1.0, 2.0, 2.0, 0.5, 1.0]
+    for bad in ("2-11", "3-1:2", "0-9:2", "1:0", "a:b"):
+        with pytest.raises(ValueError):
+            layer_scale(bad, 5)

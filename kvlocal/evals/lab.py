@@ -141,9 +141,27 @@ class RuleTotals:
     rows_dense: int = 0
 
 
+def layer_scale(spec: str, n_layer: int) -> np.ndarray:
+    """Per-layer factors on the budget from "2-11:2,14-27:0.5" (first-last layer: factor; 1 elsewhere)."""
+    scale = np.ones(n_layer)
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            span, factor = part.split(":")
+            first, _, last = span.partition("-")
+            lo, hi, f = int(first), int(last or first), float(factor)
+        except ValueError:
+            raise ValueError(f"layer budget scale {part!r}: give first-last:factor, e.g. 2-11:2") from None
+        if not (0 <= lo <= hi < n_layer and f > 0):
+            raise ValueError(f"layer budget scale {part!r}: layers 0-{n_layer - 1}, a positive factor")
+        scale[lo:hi + 1] = f
+    return scale
+
+
 def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], geo: Geometry,
-                totals: dict | None = None, only_outside: bool = True) -> dict:
-    """Replay `rules` at every budget on a capture; adds into `totals` {(rule, k): RuleTotals}."""
+                totals: dict | None = None, only_outside: bool = True, scale: np.ndarray | None = None) -> dict:
+    """Replay `rules` at every budget on a capture; adds into `totals` {(rule, k): RuleTotals}. With
+    `scale` (a factor per layer), layer l selects round(k * scale[l]) regions (at least 1) for the
+    nominal budget k: the bytes and the reduction count what each layer really reads."""
     totals = totals if totals is not None else {}
     n_layer = cap.doc_keys.shape[0]
     for i, (q_all, k_all) in enumerate(zip(cap.probes_q, cap.probes_k)):
@@ -165,9 +183,11 @@ def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], 
                 keys = np.concatenate([cap.doc_keys[il, :, h * dim:(h + 1) * dim].astype(np.float32), k_all[:, il, h]])
                 head = Head(q_all[:, il, h * group:(h + 1) * group], keys, pos, 1.0 / np.sqrt(dim), n_q)
                 values = None if cap.doc_values is None else cap.doc_values[il, :, h * dim:(h + 1) * dim].astype(np.float32)
+                layer_ks = [k if scale is None else max(1, int(round(k * scale[il]))) for k in budgets]
                 for name in rules:
-                    for k, result in replay(head, geo, RULES[name], budgets, fact, values, answer_steps).items():
-                        per[(name, k)].append((il, h, result))
+                    results = replay(head, geo, RULES[name], sorted(set(layer_ks)), fact, values, answer_steps)
+                    for k, k_layer in zip(budgets, layer_ks):
+                        per[(name, k)].append((il, h, results[k_layer]))
         for key, results in per.items():
             _accumulate(totals.setdefault(key, RuleTotals([], defaultdict(list), [], [], [])), results, group, n_q)
     return totals
