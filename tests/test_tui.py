@@ -469,3 +469,24 @@ def test_snapshot_tiny_model_loaded(snap_compare, cache_dir, doc, tiny_model, si
         await settle(pilot)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.asyncio
+async def test_typing_during_the_load_is_kept_for_the_question(doc):
+    session = FakeSession()
+    session.hold_prefill = True
+    app = fake_app(doc, session)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.busy == "load" and app._load_screen is not None)
+        await pilot.press(*"who wrx", "backspace", "o", "t", "e", "space", "i", "t", "?")
+        assert "your question so far: who wrote it?" in str(app._load_screen.query_one("#load-hint").render())
+        session.hold_prefill = False
+        app._cancel.set()  # release the held prefill: it ends as cancelled, the text must survive that too
+        await wait_for(pilot, lambda: app.busy is None)
+        assert app.query_one("#question", Input).value == "who wrote it?"
+        app.open_document(doc)  # a load that succeeds keeps what is typed during it as well
+        await wait_for(pilot, lambda: app.busy == "load" and app._load_screen is not None)
+        await pilot.press("x")
+        await wait_for(pilot, lambda: app.document is not None and app.busy is None)
+        box = app.query_one("#question", Input)
+        assert box.value == "who wrote it?x" and box.cursor_position == len(box.value)

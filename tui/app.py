@@ -307,9 +307,14 @@ class KvlocalApp(App[None]):
 
     def _close_load_screen(self) -> None:
         if self._load_screen is not None:
+            typed = self._load_screen.typed
             if self.screen is self._load_screen:
                 self.pop_screen()
             self._load_screen = None
+            if typed:  # what was typed while loading goes on in the question box
+                box = self.query_one("#question", Input)
+                box.value += typed
+                box.cursor_position = len(box.value)
 
     def on_session_failed(self, message: SessionFailed) -> None:
         self.busy = None

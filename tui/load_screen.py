@@ -1,4 +1,7 @@
-"""The modal shown while the model opens and the document is prefilled: progress, tok/s, ETA; Esc cancels."""
+"""The modal shown while the model opens and the document is prefilled: progress, tok/s, ETA; Esc cancels.
+
+What the user types meanwhile is kept (shown under the bar) and handed to the question box when the
+screen closes, so a question started during a long prefill is not lost."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.events import Key
 from textual.screen import ModalScreen
 from textual.widgets import Label, ProgressBar, Static
 
@@ -53,6 +57,7 @@ class LoadScreen(ModalScreen[None]):
         super().__init__()
         self._title = title
         self.cancelling = False
+        self.typed = ""  # the start of a question, typed while loading
 
     def compose(self) -> ComposeResult:
         with Vertical():
@@ -86,6 +91,20 @@ class LoadScreen(ModalScreen[None]):
         self.query_one("#load-stats", Static).update(
             f"{done:,} / {total:,} tokens · {rate:,.0f} tok/s · ETA {human_seconds(eta)}"
         )
+
+    def on_key(self, event: Key) -> None:
+        if event.key == "backspace":
+            self.typed = self.typed[:-1]
+        elif event.is_printable and event.character:
+            self.typed += event.character
+        else:
+            return  # escape and the app's keys keep their bindings
+        event.stop()
+        event.prevent_default()
+        hint = "cancelling…" if self.cancelling else "esc cancels"
+        if self.typed:
+            hint += f" · your question so far: {self.typed}"
+        self.query_one("#load-hint", Label).update(Text(hint))
 
     def action_cancel(self) -> None:
         if not self.cancelling:
