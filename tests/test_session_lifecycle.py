@@ -1,0 +1,66 @@
+"""Sessions on the tiny model: two at once in one process, and an answer abandoned part-way."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.session import AnswerPiece, Session  # noqa: E402
+
+TEXT_A = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(60))
+TEXT_B = " ".join(f"line {i} says {i * 13 % 97} apples." for i in range(60))
+ROUTE = RouteConfig(mode="geometric", top_k=2, region=64)
+
+
+def answer(session: Session, question: str) -> str:
+    return session.answer(question, route=ROUTE, max_tokens=12).text
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
+
+
+def test_two_sessions_in_one_process_do_not_disturb_each_other(cache, tiny_model):
+    """Each session answers as it does alone, whatever the other did in between, even with
+    different centroid blocks (chosen per session when its context is created)."""
+    solo_a = Session(str(tiny_model), threads=2, centroid_block=16)
+    solo_a.load_document(TEXT_A, use_cache=False)
+    want_a = answer(solo_a, "which value?")
+    solo_a.close()
+    solo_b = Session(str(tiny_model), threads=2, centroid_block=4)
+    solo_b.load_document(TEXT_B, use_cache=False)
+    want_b = answer(solo_b, "how many apples?")
+    solo_b.close()
+
+    a = Session(str(tiny_model), threads=2, centroid_block=16)
+    b = Session(str(tiny_model), threads=2, centroid_block=4)
+    try:
+        a.load_document(TEXT_A, use_cache=False)
+        b.load_document(TEXT_B, use_cache=False)
+        assert answer(a, "which value?") == want_a
+        assert answer(b, "how many apples?") == want_b
+        assert answer(a, "which value?") == want_a  # after b's steps, a still routes over its own cache
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_abandoned_answer_leaves_the_session_usable(cache, tiny_model):
+    session = Session(str(tiny_model), threads=2)
+    try:
+        session.load_document(TEXT_A, use_cache=False)
+        want = answer(session, "which value?")
+        stream = session.ask("which value?", route=ROUTE, max_tokens=12)
+        first = [next(stream), next(stream)]
+        assert all(isinstance(p, AnswerPiece) for p in first)
+        stream.close()  # the caller walks away after two tokens
+        assert answer(session, "which value?") == want  # the next question starts from the document again
+        other = session.ask("which value?", route=ROUTE, max_tokens=12)
+        next(other)
+        del other  # dropped without close(): the generator is finalised, the lock released
+        assert answer(session, "which value?") == want
+    finally:
+        session.close()
