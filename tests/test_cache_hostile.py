@@ -162,6 +162,7 @@ def test_a_read_only_cache_root_hashes_a_local_model_once(tiny_model, cache_dir,
     assert len(hashes) == 1
 
 
+@pytest.mark.engine
 def test_a_read_only_cache_with_a_stale_entry_still_answers(cache_dir, doc, tiny_model, read_only):
     pytest.importorskip("llama_cpp")
     assert ask(doc, tiny_model).exit_code == 0
@@ -298,6 +299,7 @@ def test_a_file_for_the_states_folder_is_named(cache_dir):
     assert f"{cache_dir / 'states'}" in result.stderr and "is a file, not a folder" in result.stderr
 
 
+@pytest.mark.engine
 def test_doctor_reports_a_file_for_a_cache_dir(file_cache):
     pytest.importorskip("llama_cpp")
     result = run("doctor")
@@ -370,6 +372,7 @@ def test_an_odd_explicit_head_size_is_refused(tmp_path, cache_dir, extra, size):
         resolve_model(str(path))
 
 
+@pytest.mark.engine
 def test_ask_with_an_embedding_model_is_a_one_line_error(tmp_path, cache_dir, doc):
     pytest.importorskip("llama_cpp")
     path = write_header_model(tmp_path / "bert.gguf", "bert", causal=False, pooling=2)
@@ -381,6 +384,7 @@ def test_ask_with_an_embedding_model_is_a_one_line_error(tmp_path, cache_dir, do
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
+@pytest.mark.engine
 def test_ask_with_an_odd_head_size_is_a_one_line_error(tmp_path, cache_dir, doc):
     pytest.importorskip("llama_cpp")
     path = write_tiny_qwen2(tmp_path / "odd.gguf", n_embd=60)
@@ -389,6 +393,7 @@ def test_ask_with_an_odd_head_size_is_a_one_line_error(tmp_path, cache_dir, doc)
     assert "odd attention head size" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.engine
 def test_a_ggml_abort_does_not_start_a_debugger(tmp_path):
     """Past kvlocal's checks (here: the engine called directly), a ggml assertion still aborts,
     but without forking gdb for a backtrace."""

@@ -15,7 +15,7 @@ pytest.importorskip("llama_cpp")
 
 from kvlocal.cli import app  # noqa: E402
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.engine, pytest.mark.model]
 
 
 def test_quick_eval_orders_the_modes(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.engine
 
 from engine_probe import RawContext, ggml_base  # noqa: E402
 from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2  # noqa: E402

@@ -113,6 +113,7 @@ def test_rules_registry_names_callables():
     assert {"mean16", "mean4", "token", "oracle"} <= set(lab_rules.RULES)
 
 
+@pytest.mark.engine
 def test_capture_on_a_tiny_model(tmp_path):
     """The eval callback records one Q and K per layer and step; the state parser reads the keys back."""
     pytest.importorskip("llama_cpp")

@@ -13,7 +13,7 @@ from kvlocal.routing import RouteConfig  # noqa: E402
 from kvlocal.sample import SAMPLE_ANSWER, SAMPLE_QUESTION, sample_document  # noqa: E402
 from kvlocal.session import Session  # noqa: E402
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.engine, pytest.mark.model]
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.engine
 
 from engine_probe import GraphRecorder, RawContext  # noqa: E402
 from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2  # noqa: E402

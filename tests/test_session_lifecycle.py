@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.engine
 
 from kvlocal.routing import RouteConfig  # noqa: E402
 from kvlocal.session import AnswerPiece, Session  # noqa: E402

@@ -19,7 +19,9 @@ except Exception as err:  # noqa: BLE001 - any import failure means "no engine h
 else:
     _IMPORT_ERROR = ""
 
-needs_engine = pytest.mark.skipif(llama_cpp is None, reason=_IMPORT_ERROR)
+def needs_engine(test):
+    """Marked `engine` (deselected by -m "not engine"), and skipped where the engine cannot be imported."""
+    return pytest.mark.engine(pytest.mark.skipif(llama_cpp is None, reason=_IMPORT_ERROR)(test))
 
 TOKENS = tiny_vocab()[0]
 N_VOCAB = len(TOKENS)
