@@ -7,6 +7,7 @@ real Session on the tiny synthetic model (its answers are gibberish: they check 
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -39,7 +40,8 @@ class FakeSession:
         self.n_layer = n_layer
         self.n_head_kv = n_head_kv
         self.prefill_delay = prefill_delay
-        self.hold_prefill = False  # prefill waits for the cancel event after its first chunk
+        self.hold_prefill = False  # prefill waits for the cancel event (or `release`) after its first chunk
+        self.release = threading.Event()  # lets a held prefill go on to the end
         self.answer_words = (answer or "The gauge at post seven read ninety one units.").split()
         self.tokens: list[str] = []
         self.n_prefix = 0
@@ -61,7 +63,9 @@ class FakeSession:
             if progress:
                 progress(PrefillProgress(min(i + 64, n), n, 0.5))
             if self.hold_prefill and cancel is not None:
-                cancel.wait(timeout=30)
+                deadline = time.monotonic() + 30
+                while not (cancel.is_set() or self.release.wait(0.01)) and time.monotonic() < deadline:
+                    pass
         self.tokens, self.n_prefix = words, n
         self.saved.add(text)
         return LoadResult(n, n_ctx, False, 0.5, saved=True)
@@ -480,13 +484,14 @@ async def test_typing_during_the_load_is_kept_for_the_question(doc):
         await wait_for(pilot, lambda: app.busy == "load" and app._load_screen is not None)
         await pilot.press(*"who wrx", "backspace", "o", "t", "e", "space", "i", "t", "?")
         assert "your question so far: who wrote it?" in str(app._load_screen.query_one("#load-hint").render())
-        session.hold_prefill = False
         app._cancel.set()  # release the held prefill: it ends as cancelled, the text must survive that too
         await wait_for(pilot, lambda: app.busy is None)
         assert app.query_one("#question", Input).value == "who wrote it?"
+        session.hold_prefill = True
         app.open_document(doc)  # a load that succeeds keeps what is typed during it as well
         await wait_for(pilot, lambda: app.busy == "load" and app._load_screen is not None)
         await pilot.press("x")
+        session.release.set()
         await wait_for(pilot, lambda: app.document is not None and app.busy is None)
         box = app.query_one("#question", Input)
         assert box.value == "who wrote it?x" and box.cursor_position == len(box.value)
