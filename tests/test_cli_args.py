@@ -42,6 +42,12 @@ def run(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
+def assert_usage_error(result, option: str) -> None:
+    """Exit 2 with a one-line message naming the option, no traceback."""
+    assert result.exit_code == 2, (option, result.output)
+    assert option in result.stderr and "Traceback" not in result.stderr
+
+
 # -- bounds -----------------------------------------------------------------------------------------
 
 
@@ -67,8 +73,7 @@ def run(*args: str):
 )
 def test_ask_refuses_out_of_range_numbers_before_any_work(no_engine, doc, option, value):
     result = run("ask", str(doc), "What did post 1 read?", option, value)
-    assert result.exit_code == 2, (option, value, result.output)
-    assert option in result.stderr and "Traceback" not in result.stderr
+    assert_usage_error(result, option)
 
 
 def test_ask_refuses_an_unknown_centroid_block_before_any_work(no_engine, doc):
@@ -94,8 +99,7 @@ def test_ask_refuses_an_unknown_centroid_block_before_any_work(no_engine, doc):
 def test_eval_refuses_out_of_range_numbers_before_any_work(no_engine, tmp_path, args, option):
     out = tmp_path / "ev"
     result = run("eval", "--lengths", "2k", "--depths", "2", "--no-plots", "--out", str(out), *args)
-    assert result.exit_code == 2, (args, result.output)
-    assert option in result.stderr and "Traceback" not in result.stderr
+    assert_usage_error(result, option)
     assert not out.exists()
 
 
@@ -115,8 +119,7 @@ def test_eval_refuses_out_of_range_numbers_before_any_work(no_engine, tmp_path, 
 def test_lab_refuses_out_of_range_numbers_before_any_work(no_engine, tmp_path, args, option):
     out = tmp_path / "lab"
     result = run("lab", "--out", str(out), *args)
-    assert result.exit_code == 2, (args, result.output)
-    assert option in result.stderr and "Traceback" not in result.stderr
+    assert_usage_error(result, option)
     assert not out.exists()
 
 
@@ -131,8 +134,7 @@ def test_lab_refuses_out_of_range_numbers_before_any_work(no_engine, tmp_path, a
 )
 def test_bench_refuses_out_of_range_numbers_before_any_work(no_engine, args, option):
     result = run("bench", "--lengths", "2k", *args)
-    assert result.exit_code == 2, (args, result.output)
-    assert option in result.stderr and "Traceback" not in result.stderr
+    assert_usage_error(result, option)
 
 
 def test_route_config_refuses_what_the_cli_refuses():

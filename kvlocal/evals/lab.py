@@ -189,11 +189,13 @@ def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], 
                     for k, k_layer in zip(budgets, layer_ks):
                         per[(name, k)].append((il, h, results[k_layer]))
         for key, results in per.items():
-            _accumulate(totals.setdefault(key, RuleTotals([], defaultdict(list), [], [], [])), results, group, n_q)
+            _accumulate(totals.setdefault(key, RuleTotals([], defaultdict(list), [], [], [])), results, group,
+                        answer_steps)
     return totals
 
 
-def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group: int, n_q: int = 0) -> None:
+def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group: int,
+                answer_steps: np.ndarray | None = None) -> None:
     for il, _, r in results:
         far = r.tail >= FAR_TAIL
         rec = (r.got[far] / r.tail[far]).tolist()
@@ -215,7 +217,7 @@ def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group
         top = [x for x in pairs[:TOP_PAIRS] if x[0] > 0.01]
         if top:
             t.hits.append(float(np.mean([x[1] for x in top])))
-            if n_q and s >= n_q - 1 and s < n_steps - 1:  # the last step predicts the end of the answer
+            if answer_steps is not None and s in answer_steps:
                 t.answer_hits.append(t.hits[-1])
             t.ranks += [int(x[2]) for x in top if x[2] > 0]
 

@@ -181,6 +181,14 @@ def two_level_rule(coarse: int, fine: int, shortlist: int) -> Rule:
     return rule
 
 
+def _softmax_over(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
+    """Per step, the softmax of the candidates' scores at the attention's scale (0 elsewhere)."""
+    z = np.where(cand, sc * scale, NEG)
+    z = z - z.max(axis=1, keepdims=True)
+    p = np.where(cand, np.exp(z), 0.0)
+    return p / p.sum(axis=1, keepdims=True)
+
+
 def persistent_rule(rule: Rule, gamma: float, combine: str = "max") -> Rule:
     """Selections that persist over the steps: each step's region scores become a softmax over the
     candidates (at the attention's scale), and a region keeps gamma times its previous value when that
@@ -188,10 +196,7 @@ def persistent_rule(rule: Rule, gamma: float, combine: str = "max") -> Rule:
 
     def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         sc, scan = rule(head, geo, cand)
-        z = np.where(cand, sc * head.scale, NEG)
-        z = z - z.max(axis=1, keepdims=True)
-        p = np.where(cand, np.exp(z), 0.0)
-        p /= p.sum(axis=1, keepdims=True)
+        p = _softmax_over(sc, cand, head.scale)
         run = np.zeros_like(p)
         prev = np.zeros(p.shape[1])
         for i in range(p.shape[0]):
@@ -200,13 +205,6 @@ def persistent_rule(rule: Rule, gamma: float, combine: str = "max") -> Rule:
         return np.where(cand, run, NEG), scan
 
     return wrapped
-
-
-def _softmax_over(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
-    z = np.where(cand, sc * scale, NEG)
-    z = z - z.max(axis=1, keepdims=True)
-    p = np.where(cand, np.exp(z), 0.0)
-    return p / p.sum(axis=1, keepdims=True)
 
 
 def question_pin_rule(rule: Rule, pins: int, evidence: str = "scores") -> Rule:
@@ -318,35 +316,49 @@ def output_error(head: Head, values: np.ndarray, read: np.ndarray, cand: np.ndar
     estimate's logit raised by q^T diag(var) q / 2 (the log-normal correction: the mean key scores a
     region's mean logit, its mass follows the logits' spread too), var the per-channel key variance."""
     n_doc = values.shape[0]
-    n_reg = read.shape[1]
-    lg = head.logits()[steps][:, :, :n_doc]  # [a, g, n_doc]
-    m = lg.max(axis=-1, keepdims=True)
-    w = np.exp(lg - m)
-    o_dense = np.einsum("agt,td->agd", w, values) / w.sum(-1)[..., None]
+    w, o_dense, count, vc, e_est, e_var = _dense_output(head, values, steps, read.shape[1], geo)
     cells_read = np.repeat(read[steps], geo.region, axis=1)[:, :n_doc]  # [a, n_doc]
     wr = w * cells_read[:, None, :]
     num, den = np.einsum("agt,td->agd", wr, values), wr.sum(-1)[..., None]
-    o_routed = num / den
-    if "region_means" not in head._cache:
-        pad = n_reg * geo.region - n_doc
-        count = np.clip(n_doc - np.arange(n_reg) * geo.region, 0, geo.region).astype(np.float32)
-        safe = np.maximum(count, 1)[:, None]
-        kc = np.concatenate([head.keys[:n_doc], np.zeros((pad, values.shape[1]), np.float32)]).reshape(n_reg, geo.region, -1).sum(1) / safe
-        vc = np.concatenate([values, np.zeros((pad, values.shape[1]), np.float32)]).reshape(n_reg, geo.region, -1).sum(1) / safe
-        k2 = np.concatenate([head.keys[:n_doc] ** 2, np.zeros((pad, values.shape[1]), np.float32)]).reshape(n_reg, geo.region, -1).sum(1) / safe
-        var = np.maximum(k2 - kc * kc, 0)
-        head._cache["region_means"] = tuple(x.astype(np.float16).astype(np.float32) for x in (kc, vc, var)) + (count,)
-    kc, vc, var, count = head._cache["region_means"]
-    unread = cand[steps] & ~read[steps] & (count > 0)[None, :]  # [a, n_reg]
-    le = np.einsum("agd,rd->agr", head.q[steps], kc) * np.float32(head.scale) + np.log(np.maximum(count, 1))[None, None, :]
-    we = np.where(unread[:, None, :], np.exp(le - m), 0.0)
-    o_est = (num + np.einsum("agr,rd->agd", we, vc)) / (den + we.sum(-1)[..., None])
-    qs = head.q[steps] * np.float32(head.scale)
-    lv = le + 0.5 * np.einsum("agd,rd->agr", qs * qs, var)
-    wv = np.where(unread[:, None, :], np.exp(np.minimum(lv - m, 80.0)), 0.0)
-    o_var = (num + np.einsum("agr,rd->agd", wv, vc)) / (den + wv.sum(-1)[..., None])
+    unread = (cand[steps] & ~read[steps] & (count > 0)[None, :])[:, None, :]  # [a, 1, n_reg]
+    outputs = [num / den]
+    for e in (e_est, e_var):
+        we = np.where(unread, e, 0.0)
+        outputs.append((num + np.einsum("agr,rd->agd", we, vc)) / (den + we.sum(-1)[..., None]))
     norm = np.linalg.norm(o_dense, axis=-1)
-    return tuple(np.linalg.norm(o - o_dense, axis=-1) / norm for o in (o_routed, o_est, o_var))
+    return tuple(np.linalg.norm(o - o_dense, axis=-1) / norm for o in outputs)
+
+
+def _dense_output(head: Head, values: np.ndarray, steps: np.ndarray, n_reg: int, geo: Geometry) -> tuple:
+    """What output_error needs that no selection changes, computed once per head and steps: the
+    softmax weights of the document's cells (before normalising), the dense output, each region's
+    cell count and mean value, and the weight exp(logit - max) of every region's estimate row
+    (the mean key plus log(count); and with the variance term)."""
+    key = ("dense_output", steps.tobytes())
+    if key not in head._cache:
+        n_doc = values.shape[0]
+        lg = head.logits()[steps][:, :, :n_doc]  # [a, g, n_doc]
+        m = lg.max(axis=-1, keepdims=True)
+        w = np.exp(lg - m)
+        o_dense = np.einsum("agt,td->agd", w, values) / w.sum(-1)[..., None]
+        count = np.clip(n_doc - np.arange(n_reg) * geo.region, 0, geo.region).astype(np.float32)
+
+        def region_mean(x: np.ndarray) -> np.ndarray:
+            padded = np.pad(x, ((0, n_reg * geo.region - len(x)), (0, 0)))  # regions past the document: empty
+            return padded.reshape(n_reg, geo.region, -1).sum(1) / np.maximum(count, 1)[:, None]
+
+        def f16(x: np.ndarray) -> np.ndarray:  # kept in F16, as the engine keeps its means
+            return x.astype(np.float16).astype(np.float32)
+
+        keys = head.keys[:n_doc]
+        kc = region_mean(keys)
+        var = f16(np.maximum(region_mean(keys * keys) - kc * kc, 0))
+        kc, vc = f16(kc), f16(region_mean(values))
+        le = np.einsum("agd,rd->agr", head.q[steps], kc) * np.float32(head.scale) + np.log(np.maximum(count, 1))
+        qs = head.q[steps] * np.float32(head.scale)
+        lv = le + 0.5 * np.einsum("agd,rd->agr", qs * qs, var)
+        head._cache[key] = (w, o_dense, count, vc, np.exp(le - m), np.exp(np.minimum(lv - m, 80.0)))
+    return head._cache[key]
 
 
 def replay(head: Head, geo: Geometry, rule: Rule, budgets: Sequence[int], fact: tuple[int, int],
