@@ -17,6 +17,8 @@ from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK as CENTROID_BLOCK,
     DEFAULT_ESTIMATE as ESTIMATE,
     DEFAULT_KEEP as KEEP,
+    DEFAULT_QUESTION as QUESTION,
+    DEFAULT_QUESTION_TOP_K as QUESTION_TOP_K,
     DEFAULT_REGION as REGION,
     DEFAULT_SHORTLIST as SHORTLIST,
     DEFAULT_SINKS as SINKS,
@@ -106,6 +108,12 @@ EstimateOpt = Annotated[bool, typer.Option(
     "--estimate/--no-estimate", help="Regions a step does not read still join its attention, each as its mean key and "
     "mean value weighted by its token count, so the softmax keeps the mass routing would drop (reads one mean value "
     "per region). Needs 64-token regions and a centroid block under 64.")]
+QuestionOpt = Annotated[str, typer.Option(
+    "--question-pass", help="How the question's tokens read the document: routed (one batch whose queries choose "
+    "--question-top-k regions together, read once), dense (one batch that reads the whole cache once) or steps "
+    "(token by token through the route, like the answer).")]
+QuestionTopKOpt = Annotated[int, typer.Option(
+    "--question-top-k", min=0, max=MAX_TOP_K, help="Regions per layer and KV head that a routed question reads.")]
 SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=MAX_SEED, help="Seed for random routing and sampling.")]
 
 
@@ -120,11 +128,13 @@ def _text_arg(text: str) -> str:
 
 
 def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0,
-           shortlist: int = SHORTLIST, keep: float = KEEP, estimate: bool = ESTIMATE):
+           shortlist: int = SHORTLIST, keep: float = KEEP, estimate: bool = ESTIMATE, question: str = QUESTION,
+           question_top_k: int = QUESTION_TOP_K):
     from kvlocal.routing import RouteConfig, check_region_block
 
     config = RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed,
-                         shortlist=shortlist, keep=keep, estimate=estimate)
+                         shortlist=shortlist, keep=keep, estimate=estimate, question=question,
+                         question_top_k=question_top_k)
     check_region_block(region, centroid_block)
     return config
 
@@ -216,13 +226,16 @@ def ask(
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
     estimate: EstimateOpt = ESTIMATE,
+    question_pass: QuestionOpt = QUESTION,
+    question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
     from kvlocal.ingest import load_document
     from kvlocal.session import check_ask_settings
 
-    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate)
+    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate, question_pass,
+                       question_top_k)
     question = _text_arg(question)  # the document stays as given: a path
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
@@ -419,6 +432,8 @@ def eval_(
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
     estimate: EstimateOpt = ESTIMATE,
+    question_pass: QuestionOpt = QUESTION,
+    question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
@@ -442,11 +457,12 @@ def eval_(
         tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=[m.strip() for m in modes.split(",")],
         seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks,
         sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K),
-        shortlist=shortlist, keep=keep, estimate=estimate,
+        shortlist=shortlist, keep=keep, estimate=estimate, question=question_pass, question_top_k=question_top_k,
         max_tokens=max_tokens,
     )
     for mode in config.modes:
-        _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate)  # validates
+        _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate, question_pass,
+               question_top_k)  # validates
     unknown = [t for t in config.tasks if t not in TASKS]
     if unknown or not config.tasks:
         raise UsageError(f"--tasks: {', '.join(unknown) or 'none given'}; choose from {', '.join(TASKS)}")
@@ -577,6 +593,8 @@ def bench(
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
     estimate: EstimateOpt = ESTIMATE,
+    question_pass: QuestionOpt = QUESTION,
+    question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
 ) -> None:
@@ -588,7 +606,8 @@ def bench(
     from kvlocal.evals.runner import make_case
     from kvlocal.units import human_bytes
 
-    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate)
+    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate,
+                   question_pass, question_top_k)
     context_lengths = _lengths(lengths)
     if out:
         _check_out_file(out)

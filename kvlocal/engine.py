@@ -158,7 +158,7 @@ def route_api() -> ctypes.CDLL:
     if not hasattr(lib, "llama_kv_route_set"):
         raise EngineError(f"the installed engine has no routed attention; {BUILD_HINT}")
     ctx_p = ctypes.c_void_p
-    lib.llama_kv_route_set.argtypes = [ctx_p] + [ctypes.c_int32] * 5 + [ctypes.c_uint32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32]
+    lib.llama_kv_route_set.argtypes = [ctx_p] + [ctypes.c_int32] * 5 + [ctypes.c_uint32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32, ctypes.c_int32]
     lib.llama_kv_route_set.restype = ctypes.c_int32
     lib.llama_kv_route_cent_blk.argtypes = [ctx_p]
     lib.llama_kv_route_cent_blk.restype = ctypes.c_int32

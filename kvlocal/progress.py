@@ -68,15 +68,21 @@ def load_summary(result: LoadResult) -> str:
 def answer_summary(s: AnswerSummary) -> str:
     lines = [
         f"answer: {s.n_answer_tokens} tokens at {s.decode_rate:.1f} tok/s "
-        f"(question {s.n_question_tokens} tokens, each decoded through the same route)",
+        f"(question {s.n_question_tokens} tokens)",
         f"route: {s.route.describe()}",
     ]
     if s.steps and s.bytes_dense:
         lines.append(
-            f"KV reads over {s.steps} steps: {human_bytes(s.bytes_read)} "
+            f"KV reads over {s.steps} {'step' if s.steps == 1 else 'steps'}: {human_bytes(s.bytes_read)} "
             f"(centroids {human_bytes(s.bytes_meta)}) vs {human_bytes(s.bytes_dense)} dense "
             f"= {s.reduction:.1f}x fewer bytes; rows {s.rows_read:,} vs {s.rows_dense:,}"
         )
+        if s.route.question != "steps" and s.n_answer_tokens:
+            lines.append(
+                f"of which the {s.route.describe_question()}: {human_bytes(s.question_bytes_read)}; "
+                f"the answer's {s.n_answer_tokens} steps: {human_bytes(s.bytes_read - s.question_bytes_read)} "
+                f"= {s.answer_reduction:.1f}x fewer bytes than dense steps"
+            )
     if s.fallback:
         lines.append(f"note: routing fell back to dense attention: {s.fallback}")
     if s.context_full:

@@ -36,6 +36,17 @@ DEFAULT_KEEP = 0.9
 # mass routing would drop. Needs 64-token regions and a centroid block under 64.
 DEFAULT_ESTIMATE = True
 
+# How the question's tokens read the document (patch 0009): "dense" sends them as one batch that
+# reads the whole cache once; "routed" as one batch whose queries choose QUESTION_TOP_K regions
+# together, read once for the whole question; "steps" decodes them one by one through the route,
+# as the answer is. The answer is always decoded step by step through the route. Dense is the
+# default because the question is where routing lost look-alike facts: at 8k, top-4, 24 facts
+# outside the window, a dense question answered 23 where routed steps answered 12 and a routed
+# question of 32 / 64 regions 12 / 18 (BENCHMARKS.md, "Session 2026-12-01 (2)").
+QUESTION_PASSES = ("dense", "routed", "steps")
+DEFAULT_QUESTION = "dense"
+DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's batch reads
+
 # -- bounds -----------------------------------------------------------------------------------------
 # The largest values the CLI accepts (typer min/max: a usage error before any work) and RouteConfig
 # validates (the core refuses them too). The engine takes these as 32-bit ints (the seed as uint32),

@@ -16,6 +16,8 @@ from kvlocal.route_settings import (
     DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
     DEFAULT_MODE,
+    DEFAULT_QUESTION,
+    DEFAULT_QUESTION_TOP_K,
     DEFAULT_REGION,
     DEFAULT_SHORTLIST,
     DEFAULT_SINKS,
@@ -27,6 +29,7 @@ from kvlocal.route_settings import (
     MAX_SINKS,
     MAX_TOP_K,
     MAX_WINDOW,
+    QUESTION_PASSES,
 )
 
 
@@ -49,7 +52,10 @@ FALLBACK_REASONS = {
     3: "the V cache is transposed (flash attention is off)",
     4: "the model uses ALiBi, learned sinks, a KQ bias or logit soft-capping",
     5: "the model's attention does not use the standard KV cache (e.g. recurrent or hybrid memory)",
+    6: "a batch of several tokens read densely",
 }
+# fallbacks that are a choice, not a limit of the model or the cache: not reported as a fallback
+CHOSEN_FALLBACKS = (0, 1, 6)
 
 
 def check_centroid_block(centroid_block: int) -> None:
@@ -78,6 +84,8 @@ class RouteConfig:
     shortlist: int = DEFAULT_SHORTLIST  # regions the coarse centroids shortlist for the fine ones (0: one level)
     keep: float = DEFAULT_KEEP  # selection memory: decay per step of a region's remembered share (0: none)
     estimate: bool = DEFAULT_ESTIMATE  # unread regions join the attention as their mean key and value
+    question: str = DEFAULT_QUESTION  # how the question's tokens read the document: routed, dense or steps
+    question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions the question's routed batch reads
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
@@ -85,7 +93,10 @@ class RouteConfig:
         if self.region <= 0 or self.region & (self.region - 1) or MAX_REGION % self.region:
             raise UsageError(f"--region must be a power of two that divides {MAX_REGION} (got {self.region})")
         # the engine takes these as 32-bit ints: a bigger value would wrap in ctypes, not fail
-        for option, value, top in (("--top-k", self.top_k, MAX_TOP_K), ("--window", self.window, MAX_WINDOW),
+        if self.question not in QUESTION_PASSES:
+            raise UsageError(f"--question-pass must be one of {', '.join(QUESTION_PASSES)} (got {self.question!r})")
+        for option, value, top in (("--top-k", self.top_k, MAX_TOP_K), ("--question-top-k", self.question_top_k, MAX_TOP_K),
+                                   ("--window", self.window, MAX_WINDOW),
                                    ("--sinks", self.sinks, MAX_SINKS), ("--shortlist", self.shortlist, MAX_SHORTLIST)):
             if not 0 <= value <= top:
                 raise UsageError(f"{option} must be between 0 and {top:,} (got {value})")
@@ -98,10 +109,17 @@ class RouteConfig:
     def route_mode(self) -> RouteMode:
         return MODE_NAMES[self.mode]
 
-    def apply(self, ctx: ctypes.c_void_p) -> None:
+    @property
+    def question_batch_top_k(self) -> int:
+        """Regions a batch of question tokens routes to (0: the batch reads densely)."""
+        return self.question_top_k if self.question == "routed" else 0
+
+    def apply(self, ctx: ctypes.c_void_p, *, batch_top_k: int = 0) -> None:
+        """Set the context's routing. A batch of several tokens routes to `batch_top_k` regions, or
+        reads densely with 0 (the default, so a document's prefill stays dense)."""
         rc = route_api().llama_kv_route_set(
             ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF,
-            self.shortlist, self.keep, int(self.estimate),
+            self.shortlist, self.keep, int(self.estimate), batch_top_k,
         )
         if rc != 0:
             blk = route_api().llama_kv_route_cent_blk(ctx)
@@ -117,7 +135,16 @@ class RouteConfig:
             text += f", keep {self.keep:g}"
         if self.estimate:
             text += ", unread regions estimated"
+        text += "; " + self.describe_question()
         return text
+
+    def describe_question(self) -> str:
+        if self.question == "steps":
+            return "question decoded token by token through the same route"
+        if self.question == "dense" or self.route_mode == RouteMode.FULL:
+            return "question read in one dense pass"
+        return f"question read in one pass over top-{self.question_top_k} regions"
+
 
 
 @dataclass
@@ -154,7 +181,8 @@ class ReadStats:
 
 
 def read_stats(ctx: ctypes.c_void_p, with_regions: bool = True) -> ReadStats | None:
-    """The statistics of the context's last single-token decode, or None before the first one."""
+    """The statistics of the context's last ubatch (a decode step, or a batch read at once), or None
+    before the first one."""
     api = route_api()
     raw = RouteStatsC()
     if api.llama_kv_route_get_stats(ctx, ctypes.byref(raw)) != 0:

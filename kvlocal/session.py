@@ -27,7 +27,7 @@ from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
 from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK
 from kvlocal.routing import (
-    CENTROID_BLOCK_ENV, ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
+    CENTROID_BLOCK_ENV, CHOSEN_FALLBACKS, ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
 )
 
 KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
@@ -89,6 +89,14 @@ class AnswerSummary:
     fallback: str = ""
     region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> times read
     context_full: bool = False  # the answer stopped because the context had no room left
+    question_bytes_read: int = 0  # of bytes_read, what the question's tokens read
+    question_bytes_dense: int = 0  # of bytes_dense, what they would have read densely
+
+    @property
+    def answer_reduction(self) -> float:
+        """The KV bytes reduction of the answer's steps alone (the question's read left out)."""
+        read = self.bytes_read - self.question_bytes_read
+        return (self.bytes_dense - self.question_bytes_dense) / read if read else 1.0
 
     @property
     def decode_rate(self) -> float:
@@ -105,7 +113,7 @@ class AnswerSummary:
         self.bytes_read += stats.bytes_read
         self.bytes_meta += stats.bytes_meta
         self.bytes_dense += stats.bytes_dense
-        if stats.fallback and stats.fallback != 1:
+        if stats.fallback not in CHOSEN_FALLBACKS:
             self.fallback = stats.fallback_reason
         for li, layer in enumerate(stats.layers):
             for region in np.unique(stats.regions[li]):
@@ -389,6 +397,25 @@ class Session:
         self.llm.eval([token])
         return read_stats(self.ctx, with_regions=want_regions)
 
+    def _read_question(self, q_tokens: list[int], route: RouteConfig, summary: AnswerSummary,
+                       want_regions: bool) -> None:
+        """Feed the question's tokens as `route.question` says, adding what they read to `summary`."""
+        if route.question == "steps":
+            for token in q_tokens:
+                stats = self._step(token, want_regions)
+                if stats:
+                    summary.add(stats)
+            return
+        route.apply(self.ctx, batch_top_k=route.question_batch_top_k)
+        try:
+            for i in range(0, len(q_tokens), self.n_batch):
+                self.llm.eval(q_tokens[i : i + self.n_batch])
+                stats = read_stats(self.ctx, with_regions=want_regions)
+                if stats:
+                    summary.add(stats)
+        finally:
+            route.apply(self.ctx)  # the answer's steps, and the next document's prefill, as usual
+
     def ask(
         self,
         question: str,
@@ -402,8 +429,9 @@ class Session:
     ) -> Iterator[AnswerPiece | AnswerSummary]:
         """Stream the answer: AnswerPiece per token, then one AnswerSummary.
 
-        Every question and answer token is decoded on its own, so each attention query over the
-        document goes through the routed path (prefill of the document alone is dense).
+        The question's tokens read the document as `route.question` says: in one batch routed to
+        `route.question_top_k` regions (read once for all of them), in one dense batch, or token by
+        token through the route. Every answer token is decoded on its own through the route.
         """
         if self.llm is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
@@ -423,10 +451,8 @@ class Session:
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
             summary = AnswerSummary("", len(q_tokens), 0, 0.0, route)
-            for token in q_tokens:
-                stats = self._step(token, want_regions)
-                if stats:
-                    summary.add(stats)
+            self._read_question(q_tokens, route, summary, want_regions)
+            summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
             vocab = module.llama_model_get_vocab(self.llm.model)
             n_vocab = self.llm.n_vocab()
             rng = np.random.default_rng(seed)

@@ -69,11 +69,17 @@ def assert_usage_error(result, option: str) -> None:
         ("--ctx", "100"),
         ("--max-tokens", "2147483648"),
         ("--max-tokens", HUGE),
+        ("--question-top-k", "2147483648"),
     ],
 )
 def test_ask_refuses_out_of_range_numbers_before_any_work(no_engine, doc, option, value):
     result = run("ask", str(doc), "What did post 1 read?", option, value)
     assert_usage_error(result, option)
+
+
+def test_ask_refuses_an_unknown_question_pass_before_any_work(no_engine, doc):
+    result = run("ask", str(doc), "What did post 1 read?", "--question-pass", "sideways")
+    assert_usage_error(result, "--question-pass must be one of dense, routed, steps")
 
 
 def test_ask_refuses_an_unknown_centroid_block_before_any_work(no_engine, doc):

@@ -34,11 +34,11 @@ def test_sweep_counts_centroid_block_as_part_of_the_budget():
     assert len(geo) == 1 and geo[0]["n"] == 1 and geo[0]["reduction"] == 1000 / 80  # the block-16 row only
     [sweep] = summary["sweep"]
     assert [(p["top_k"], p["centroid_block"]) for p in sweep["points"]] == [(4, 16), (2, 64), (4, 64)]
-    assert sweep["scoring_at_match"] == "/b64"
+    assert sweep["scoring_at_match"] == "/b64 steps"  # rows before the question pass: token by token
     # the matching budget with the largest reduction: top-4 with one centroid per 64 tokens
     assert (sweep["smallest_matching_top_k"], sweep["centroid_block_at_match"]) == (4, 64)
     text = report.markdown(summary)
-    assert "4/b64: 100% [21–100] x17.2" in text and "| 4/b64 | 17.2x |" in text
+    assert "4/b64 steps: 100% [21–100] x17.2" in text and "| 4/b64 steps | 17.2x |" in text
     assert report.check_ordering(summary) == []
 
 
@@ -109,17 +109,20 @@ def test_sweep_points_carry_their_interval_and_a_differing_n():
     assert [(p["top_k"], p["n"], p["accuracy_ci"]) for p in sweep["points"]] == [
         (2, 4, report.wilson_interval(0.75, 4)), (8, 2, report.wilson_interval(1.0, 2))]
     text = report.markdown(report.summarize(rows))
-    # rows without shortlist and keep scanned every centroid and kept no memory: labelled so
-    assert "| 100% [51–100] (n=4) | 2/b16: 75% [30–95] x10.0, 8/b16: 100% [34–100] n=2 x10.0 |" in text
+    # rows without shortlist and keep scanned every centroid, kept no memory and decoded the question
+    # token by token: labelled so
+    assert "| 100% [51–100] (n=4) | 2/b16 steps: 75% [30–95] x10.0, 8/b16 steps: 100% [34–100] n=2 x10.0 |" in text
 
 
 def test_scoring_configurations_are_told_apart():
     """Two-level scoring and the selection memory are part of a budget point; the default scoring
     makes the main cells and carries no label."""
-    from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_SHORTLIST
+    from kvlocal.route_settings import (
+        DEFAULT_CENTROID_BLOCK, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_QUESTION, DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST,
+    )
 
     default = {"centroid_block": DEFAULT_CENTROID_BLOCK, "shortlist": DEFAULT_SHORTLIST, "keep": DEFAULT_KEEP,
-               "estimate": DEFAULT_ESTIMATE}
+               "estimate": DEFAULT_ESTIMATE, "question": DEFAULT_QUESTION, "question_top_k": DEFAULT_QUESTION_TOP_K}
     rows = [
         _row("full", 1.0, bytes_read=1000),
         _row("window", 0.0, bytes_read=50),
@@ -130,7 +133,7 @@ def test_scoring_configurations_are_told_apart():
     [geo] = [c for c in summary["cells"] if c["mode"] == "geometric"]
     assert geo["accuracy"] == 1.0
     labels = sorted(report.scoring_label(p) for p in summary["sweep"][0]["points"])
-    assert labels == ["", "/b16"]
+    assert labels == ["", "/b16 steps"]
     table = report.points_markdown(summary)
     assert "| 4,096 | passkey | top-4, default scoring | 100% [21–100] (n=1) | 100% [21–100] (n=1) | 16.7x |" in table
-    assert "| 4,096 | passkey | top-4, b16 | 0% [0–79] (n=1) |" in table
+    assert "| 4,096 | passkey | top-4, b16 steps | 0% [0–79] (n=1) |" in table

@@ -62,7 +62,8 @@ def describe(lib, ptr) -> dict:
     }
 
 
-def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: int = 1200) -> list[dict]:
+def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: int = 1200, n_batch: int = 1) -> list[dict]:
+    """The nodes of a decode step (n_batch 1) or of a routed batch of n_batch tokens (a question)."""
     lib = ggml_base()
     nodes: list[dict] = []
     state = {"on": False}
@@ -82,9 +83,9 @@ def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: in
     raw = RawContext(model, n_ctx=2048, kv_type=kv_type, recorder=rec)
     try:
         raw.decode([(i * 37) % 250 for i in range(n_doc)])
-        route.apply(raw.ctx)
+        route.apply(raw.ctx, batch_top_k=route.top_k if n_batch > 1 else 0)
         state["on"] = True
-        raw.decode([11])
+        raw.decode([11 + i for i in range(n_batch)])
     finally:
         state["on"] = False
         raw.close()
@@ -161,13 +162,15 @@ def iswa64(tmp_path_factory):
                                 seed=6)
 
 
+@pytest.mark.parametrize("n_batch", [1, 9])  # a decode step; a question read as one routed batch
 @pytest.mark.parametrize("estimate", [False, True])
 @pytest.mark.parametrize("kv_type", [F16, Q8_0])
 @pytest.mark.parametrize("mode", ["geometric", "window", "random"])
 @pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
-def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, iswa64, kv_type, mode, arch, estimate):
+def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, iswa64, kv_type, mode, arch, estimate, n_batch):
     model = model64 if arch == "qwen2" else iswa64
-    nodes = record_decode_graph(model, kv_type, RouteConfig(mode=mode, top_k=3, region=64, estimate=estimate))
+    nodes = record_decode_graph(model, kv_type, RouteConfig(mode=mode, top_k=3, region=64, estimate=estimate),
+                                n_batch=n_batch)
     routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent"))]
     assert routed, "the decode step did not take the routed path"
     if estimate:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -65,5 +66,11 @@ def test_answer_summary_adds_the_reads_of_every_step():
     assert "answer: 4 tokens at 2.0 tok/s (question 5 tokens" in text
     assert "KV reads over 2 steps: 200.0 KiB (centroids 8.0 KiB) vs 1.0 MiB dense = 5.1x fewer bytes" in text
     assert "note:" not in text
+    # the first step was the question's dense batch: the answer's steps alone read the rest
+    s.question_bytes_read, s.question_bytes_dense = 102_400, 524_288
+    assert s.answer_reduction == 524_288 / 102_400
+    assert ("of which the question read in one dense pass: 100.0 KiB; the answer's 4 steps: 100.0 KiB "
+            "= 5.1x fewer bytes than dense steps") in answer_summary(s)
+    assert "of which" not in answer_summary(dataclasses.replace(s, route=RouteConfig(question="steps")))
     s.context_full = True
     assert "context is full" in answer_summary(s)

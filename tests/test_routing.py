@@ -450,3 +450,82 @@ def test_selection_memory_lasts_through_the_sessions_steps(tiny_model, tmp_path,
     assert len(kept) == len(fresh) > 2
     assert all(np.array_equal(a, b) for a, b in zip(kept, again))
     assert any(not np.array_equal(a, b) for a, b in zip(kept, fresh)), "the memory never changed a choice"
+
+
+# -- a ubatch of several tokens (the question read at once, patch 0009) --------------------------------
+
+
+def decode_batch(raw: RawContext, n_prefix: int, tokens: list[int], route: RouteConfig, batch_top_k: int):
+    """Rewind to the prefix, set the route, decode `tokens` as one ubatch: the last logits and the stats."""
+    m = llama_cpp()
+    m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, n_prefix, -1)
+    raw.n_past = n_prefix
+    route.apply(raw.ctx, batch_top_k=batch_top_k)
+    raw.decode(tokens)
+    return raw.logits(), read_stats(raw.ctx)
+
+
+@pytest.mark.parametrize("estimate", [False, True])
+@pytest.mark.parametrize("shortlist", [0, 16])
+def test_a_routed_batch_of_every_region_reproduces_the_dense_batch(tiny_model, shortlist, estimate):
+    raw = RawContext(tiny_model, n_ctx=2048)
+    batch = doc_tokens(20, seed=2)
+    route = RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, estimate=estimate)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        dense, dense_st = decode_batch(raw, N_DOC, batch, RouteConfig(mode="full"), 0)
+        kept, kept_st = decode_batch(raw, N_DOC, batch, route, 0)  # top_k_batch 0: the batch reads densely
+        every, every_st = decode_batch(raw, N_DOC, batch, route, 1000)
+        one, one_st = decode_batch(raw, N_DOC, batch, route, 1)
+    finally:
+        raw.close()
+    scale = float(np.max(np.abs(dense)))
+    diff = float(np.max(np.abs(dense - every)))
+    assert diff <= 5e-3 * max(1.0, scale), f"max |logit diff| {diff} (scale {scale})"
+    assert float(np.max(np.abs(dense - kept))) <= 1e-6 * max(1.0, scale)
+    assert float(np.max(np.abs(dense - one))) > diff  # one region per head really leaves rows out
+    # a dense batch counts one read of the cache, whatever the mode
+    for st, fallback in ((dense_st, 1), (kept_st, 6)):
+        assert st.n_layer_routed == 0 and st.fallback == fallback
+        assert st.rows_read == st.rows_dense and st.bytes_kv == st.bytes_dense and st.bytes_meta == 0
+    for st in (every_st, one_st):
+        assert st.n_layer_routed == st.n_layer == 2 and st.fallback == 0
+        assert st.rows_dense == dense_st.rows_dense  # the same cache, read once for the batch
+    assert one_st.rows_read < every_st.rows_read < every_st.rows_dense + 1
+
+
+def test_a_window_batch_reads_the_window_before_its_first_token(tiny_model):
+    raw = RawContext(tiny_model, n_ctx=2048)
+    batch = doc_tokens(100, seed=4)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        route = RouteConfig(mode="window", top_k=1, region=64, window=64, sinks=64, estimate=False)
+        _, st = decode_batch(raw, N_DOC, batch, route, 2)
+    finally:
+        raw.close()
+    # the batch holds positions 1500..1599 -> regions 0..24 are used; the window reaches 64 cells
+    # before position 1500: ceil((64 + 99)/64) = 3 regions (22..24), the window mode's 2 before them
+    n_used_regions = (N_DOC + len(batch) - 1) // 64 + 1
+    expected = [0] + list(range(n_used_regions - 5, n_used_regions))
+    assert st.n_sel == len(expected)
+    for layer in range(2):
+        for head in range(2):
+            assert sorted(st.regions[layer, head].tolist()) == expected
+    assert st.rows_read == 2 * 2 * len(expected) * 64
+
+
+def test_a_routed_batch_uses_gpu_ops_only(tiny_model):
+    rec = GraphRecorder()
+    raw = RawContext(tiny_model, n_ctx=2048, recorder=rec)
+    try:
+        raw.decode(doc_tokens(700))
+        RouteConfig(mode="geometric", top_k=2, region=64, estimate=True).apply(raw.ctx, batch_top_k=3)
+        rec.recording = True
+        raw.decode(doc_tokens(9, seed=5))
+        rec.recording = False
+    finally:
+        raw.close()
+    ops = {op for op, _ in rec.nodes}
+    names = {name.rsplit("-", 1)[0] for _, name in rec.nodes}
+    assert {"kv_route_scores", "kv_route_sel", "kv_route_fattn", "kv_route_est"} <= names
+    assert ops <= GPU_OPS, f"ops outside the CUDA/Metal set: {sorted(ops - GPU_OPS)}"

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.engine
 
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
 from kvlocal.session import AnswerPiece, Session  # noqa: E402
 
 TEXT_A = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(60))
@@ -63,5 +63,37 @@ def test_an_abandoned_answer_leaves_the_session_usable(cache, tiny_model):
         next(other)
         del other  # dropped without close(): the generator is finalised, the lock released
         assert answer(session, "which value?") == want
+    finally:
+        session.close()
+
+
+def test_the_question_pass_decides_how_the_question_reads_the_document(cache, tiny_model):
+    """steps: one routed step per question token; dense: one batch that reads the whole cache once;
+    routed: one batch that reads its own regions once. The answer's steps are routed in all three,
+    and the next document's prefill stays dense after a routed question."""
+    text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(150))
+    session = Session(str(tiny_model), threads=2)
+
+    def run(question_pass):
+        route = RouteConfig(mode="geometric", top_k=2, region=64, question=question_pass, question_top_k=3)
+        events = list(session.ask("which value?", route=route, max_tokens=4))
+        summary = events[-1]
+        answer_steps = [e.stats for e in events[:-1] if e.stats is not None]
+        # what the question read, and what it would read densely
+        return summary, (summary.bytes_read - sum(st.bytes_read for st in answer_steps),
+                         summary.bytes_dense - sum(st.bytes_dense for st in answer_steps))
+
+    try:
+        session.load_document(text, use_cache=False)
+        (steps, _), (dense, dense_q), (routed, routed_q) = run("steps"), run("dense"), run("routed")
+        assert steps.n_question_tokens > 1 and steps.steps == steps.n_question_tokens + steps.n_answer_tokens
+        for summary in (dense, routed):
+            assert summary.steps == 1 + summary.n_answer_tokens
+            assert not summary.fallback  # a dense question batch is a choice, not a fallback
+        assert dense_q[0] == dense_q[1] == routed_q[1] > 0  # the whole cache, once
+        assert 0 < routed_q[0] < routed_q[1]  # its regions (and centroids), once
+        session.load_document(text + " more.", use_cache=False)
+        st = read_stats(session.ctx)
+        assert st.n_layer_routed == 0 and st.rows_read == st.rows_dense  # the prefill read densely
     finally:
         session.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from kvlocal.units import human_bytes, human_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +45,37 @@ def test_the_tui_imports_nothing_from_the_cli_layer():
 
 def test_units_is_a_leaf():
     assert not {m for m in _imports(ROOT / "kvlocal" / "units.py") if m.startswith("kvlocal")}
+
+
+def test_question_pass_settings_are_validated_and_described():
+    pytest.importorskip("numpy")
+    from kvlocal.errors import UsageError
+    from kvlocal.route_settings import DEFAULT_QUESTION, QUESTION_PASSES
+
+    routing = pytest.importorskip("kvlocal.routing", exc_type=ImportError)
+    assert DEFAULT_QUESTION in QUESTION_PASSES
+    with pytest.raises(UsageError, match="--question-pass"):
+        routing.RouteConfig(question="sideways")
+    with pytest.raises(UsageError, match="--question-top-k"):
+        routing.RouteConfig(question_top_k=-1)
+    assert routing.RouteConfig(question="routed", question_top_k=7).question_batch_top_k == 7
+    assert routing.RouteConfig(question="dense", question_top_k=7).question_batch_top_k == 0
+    assert "one dense pass" in routing.RouteConfig(question="dense").describe()
+    assert "top-7 regions" in routing.RouteConfig(question="routed", question_top_k=7).describe()
+    assert "token by token" in routing.RouteConfig(question="steps").describe()
+
+
+def test_eval_rows_before_the_question_pass_read_it_step_by_step():
+    from kvlocal.evals.report import question_pass, scoring_label
+    from kvlocal.evals.runner import row_key
+
+    old = {"length": 8192, "task": "lookalike", "seed": 0, "probe": 1, "mode": "geometric", "top_k": 4,
+           "region": 64, "window": 128, "sinks": 64}
+    assert question_pass(old) == "steps"
+    assert row_key(old) == row_key(dict(old, question="steps", question_top_k=32))  # top-k unused by steps
+    assert row_key(old) != row_key(dict(old, question="dense"))
+    assert row_key(dict(old, question="routed", question_top_k=16)) != row_key(dict(old, question="routed",
+                                                                                     question_top_k=32))
+    assert question_pass(dict(old, question="routed", question_top_k=16)) == "q16"
+    assert scoring_label({"centroid_block": 4, "shortlist": 32, "keep": 0.9, "estimate": True,
+                          "question": "steps"}).endswith(" steps")

@@ -65,7 +65,7 @@ def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n
         question = "Write a detailed summary of the document, section by section."
         res = LengthResult(length, loaded.n_tokens, session.kv_bytes())
         for mode in ("full", "geometric"):
-            r = route if mode == "geometric" else RouteConfig(mode="full")
+            r = route if mode == "geometric" else RouteConfig(mode="full", question=route.question)
             res.runs[mode] = _decode(session, question, r, n_tokens, repeats)
             log(f"  {mode:<9} {res.runs[mode].rate:6.2f} tok/s over {res.runs[mode].tokens} tokens")
         results.append(res)

@@ -103,7 +103,7 @@ def capture_case(session, case: Case, name: str, max_tokens: int, log: Callable[
         capture.reset()
         capture.active = True
         try:
-            answer = session.answer(probe.question, route=RouteConfig(mode="full"), max_tokens=max_tokens)
+            answer = session.answer(probe.question, route=RouteConfig(mode="full", question="steps"), max_tokens=max_tokens)
         finally:
             capture.active = False
         q, k = capture.steps.arrays()

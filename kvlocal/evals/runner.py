@@ -18,6 +18,8 @@ from kvlocal.evals.tasks import Case, build_case, score
 from kvlocal.route_settings import (
     DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
+    DEFAULT_QUESTION,
+    DEFAULT_QUESTION_TOP_K,
     DEFAULT_REGION,
     DEFAULT_SHORTLIST,
     DEFAULT_SINKS,
@@ -51,6 +53,8 @@ class GridConfig:
     shortlist: int = DEFAULT_SHORTLIST  # two-level scoring (0: one pass over every fine centroid)
     keep: float = DEFAULT_KEEP  # selection memory (0: none)
     estimate: bool = DEFAULT_ESTIMATE  # unread regions estimated from their means
+    question: str = DEFAULT_QUESTION  # how the question reads the document: routed, dense or steps
+    question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions a routed question reads
     max_tokens: int | None = None  # None: ANSWER_TOKENS[task]
 
     def routes(self) -> Iterator[RouteConfig]:
@@ -63,7 +67,8 @@ class GridConfig:
 
     def route(self, mode: str, top_k: int) -> RouteConfig:
         return RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks,
-                           shortlist=self.shortlist, keep=self.keep, estimate=self.estimate)
+                           shortlist=self.shortlist, keep=self.keep, estimate=self.estimate, question=self.question,
+                           question_top_k=self.question_top_k)
 
 
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
@@ -100,7 +105,9 @@ def row_key(row: dict) -> tuple:
             row.get("max_tokens", task_answer_tokens(row["task"])),  # older rows ran at the task's default
             row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
             row.get("keep", 0.0),  # ... and selected afresh at every step
-            row.get("estimate", False))  # ... and dropped the unread regions' mass
+            row.get("estimate", False),  # ... and dropped the unread regions' mass
+            row.get("question", "steps"),  # ... and decoded the question token by token
+            row.get("question_top_k", 0) if row.get("question") == "routed" else 0)
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -168,7 +175,8 @@ def _key(length, task, seed, probe_index, route, haystack_name, centroid_block, 
     return row_key({"length": length, "task": task, "seed": seed, "probe": probe_index, "mode": route.mode,
                     "top_k": route.top_k, "region": route.region, "window": route.window, "sinks": route.sinks,
                     "haystack": haystack_name, "centroid_block": centroid_block, "max_tokens": max_tokens,
-                    "shortlist": route.shortlist, "keep": route.keep, "estimate": route.estimate})
+                    "shortlist": route.shortlist, "keep": route.keep, "estimate": route.estimate,
+                    "question": route.question, "question_top_k": route.question_top_k})
 
 
 def _load(session: Session, case: Case, length: int, seed: int, log) -> dict:
@@ -206,6 +214,9 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "bytes_meta": summary.bytes_meta,
         "bytes_dense": summary.bytes_dense,
         "reduction": summary.reduction,
+        "question_bytes_read": summary.question_bytes_read,
+        "question_bytes_dense": summary.question_bytes_dense,
+        "answer_reduction": summary.answer_reduction,
         "fallback": summary.fallback,
         "model": session.model.alias or session.model.path.name,
     }
