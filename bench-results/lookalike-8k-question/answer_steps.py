@@ -1,0 +1,41 @@
+"""Accuracy outside the window, total reduction and the answer steps' reduction per route, from
+results.jsonl files of `kvlocal eval --question-pass dense`. Rows that record the question's read
+(question_bytes_read/dense) use it; older rows take one dense read (bytes_dense / steps) as the
+question's, which is what a dense question batch reads.
+
+    python bench-results/lookalike-8k-question/answer_steps.py FOLDER/results.jsonl ...
+"""
+import json
+import sys
+from collections import defaultdict
+from statistics import mean
+
+from kvlocal.evals.report import _outside_window, question_pass, wilson_interval
+
+groups = defaultdict(list)
+for path in sys.argv[1:]:
+    for line in open(path):
+        r = json.loads(line)
+        key = (r["length"], r["mode"], r["top_k"] if r["mode"] != "full" else 0, r.get("shortlist"),
+               r.get("estimate"), question_pass(r))
+        groups[key].append(r)
+
+
+def answer_reduction(r):
+    if "question_bytes_read" in r:
+        q_read, q_dense = r["question_bytes_read"], r["question_bytes_dense"]
+    else:
+        q_read = q_dense = r["bytes_dense"] / r["steps"]
+    read = r["bytes_read"] - q_read
+    return (r["bytes_dense"] - q_dense) / read if read > 0 else 1.0
+
+
+print("| length | route | question | acc. outside window [95 % CI] (n) | total reduction | answer steps' reduction |")
+print("|---:|---|---|---:|---:|---:|")
+for (length, mode, k, shortlist, est, q), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    far = [r for r in rows if _outside_window(r)]
+    acc = mean(r["score"] for r in far)
+    lo, hi = wilson_interval(acc, len(far))
+    route = "full" if mode == "full" else f"{mode} top-{k}, shortlist {shortlist}{'' if est else ', no estimate'}"
+    print(f"| {length:,} | {route} | {q} | {acc:.0%} [{lo * 100:.0f}–{hi * 100:.0f}] ({len(far)}) | "
+          f"{mean(r['reduction'] for r in rows):.1f}x | {mean(answer_reduction(r) for r in rows):.1f}x |")
