@@ -27,7 +27,7 @@ from kvlocal.route_settings import (
     DEFAULT_WINDOW,
     MODES,
 )
-from kvlocal.evals.report import BLOCK_BEFORE_RECORDED
+from kvlocal.evals.report import BLOCK_BEFORE_RECORDED, question_pass
 from kvlocal.routing import RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
 
@@ -106,8 +106,7 @@ def row_key(row: dict) -> tuple:
             row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
             row.get("keep", 0.0),  # ... and selected afresh at every step
             row.get("estimate", False),  # ... and dropped the unread regions' mass
-            row.get("question", "steps"),  # ... and decoded the question token by token
-            row.get("question_top_k", 0) if row.get("question") == "routed" else 0)
+            question_pass(row))  # ... and decoded the question token by token
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -216,7 +215,6 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "reduction": summary.reduction,
         "question_bytes_read": summary.question_bytes_read,
         "question_bytes_dense": summary.question_bytes_dense,
-        "answer_reduction": summary.answer_reduction,
         "fallback": summary.fallback,
         "model": session.model.alias or session.model.path.name,
     }
