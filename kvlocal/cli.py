@@ -187,15 +187,12 @@ def _load(session, text: str, label: str, use_cache: bool):
 
 def _stream_answer(session, question: str, **kwargs) -> str:
     from kvlocal.progress import answer_summary
-    from kvlocal.session import AnswerSummary
 
-    summary = None
-    for event in session.ask(question, **kwargs):
-        if isinstance(event, AnswerSummary):
-            summary = event
-        else:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+    answer = session.ask(question, **kwargs)
+    for piece in answer:
+        sys.stdout.write(piece.text)
+        sys.stdout.flush()
+    summary = answer.summary()
     sys.stdout.write("\n")
     sys.stdout.flush()
     err(f"kvlocal: {answer_summary(summary)}".replace("\n", "\nkvlocal: "))

@@ -6,7 +6,8 @@ import sys
 import time
 from typing import TextIO
 
-from kvlocal.session import AnswerSummary, LoadResult, PrefillProgress
+from kvlocal.answer import AnswerSummary
+from kvlocal.session import LoadResult, PrefillProgress
 from kvlocal.units import human_bytes, human_seconds
 
 

@@ -14,12 +14,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvlocal import kvstate
+from kvlocal.answer import Answer, AnswerPiece, AnswerSummary
 from kvlocal.engine import llama_cpp, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.models import ResolvedModel, resolve_model
@@ -27,7 +28,7 @@ from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
 from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK
 from kvlocal.routing import (
-    CENTROID_BLOCK_ENV, CHOSEN_FALLBACKS, ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
+    CENTROID_BLOCK_ENV, ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
 )
 
 KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
@@ -62,63 +63,6 @@ class LoadResult:
     @property
     def rate(self) -> float:
         return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class AnswerPiece:
-    """One generated token: its text (possibly empty while UTF-8 is incomplete) and what it read."""
-
-    text: str
-    token: int
-    stats: ReadStats | None
-
-
-@dataclass
-class AnswerSummary:
-    text: str
-    n_question_tokens: int
-    n_answer_tokens: int
-    decode_seconds: float
-    route: RouteConfig
-    rows_read: int = 0
-    rows_dense: int = 0
-    bytes_read: int = 0
-    bytes_meta: int = 0
-    bytes_dense: int = 0
-    steps: int = 0
-    fallback: str = ""
-    region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> times read
-    context_full: bool = False  # the answer stopped because the context had no room left
-    question_bytes_read: int = 0  # of bytes_read, what the question's tokens read
-    question_bytes_dense: int = 0  # of bytes_dense, what they would have read densely
-
-    @property
-    def answer_reduction(self) -> float:
-        """The KV bytes reduction of the answer's steps alone (the question's read left out)."""
-        read = self.bytes_read - self.question_bytes_read
-        return (self.bytes_dense - self.question_bytes_dense) / read if read else 1.0
-
-    @property
-    def decode_rate(self) -> float:
-        return self.n_answer_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    @property
-    def reduction(self) -> float:
-        return self.bytes_dense / self.bytes_read if self.bytes_read else 1.0
-
-    def add(self, stats: ReadStats) -> None:
-        self.steps += 1
-        self.rows_read += stats.rows_read
-        self.rows_dense += stats.rows_dense
-        self.bytes_read += stats.bytes_read
-        self.bytes_meta += stats.bytes_meta
-        self.bytes_dense += stats.bytes_dense
-        if stats.fallback not in CHOSEN_FALLBACKS:
-            self.fallback = stats.fallback_reason
-        for li, layer in enumerate(stats.layers):
-            for region in np.unique(stats.regions[li]):
-                key = (int(layer), int(region))
-                self.region_reads[key] = self.region_reads.get(key, 0) + 1
 
 
 MAX_TEMPERATURE = 10.0
@@ -426,13 +370,19 @@ class Session:
         seed: int = 0,
         want_regions: bool = False,
         cancel: threading.Event | None = None,
-    ) -> Iterator[AnswerPiece | AnswerSummary]:
-        """Stream the answer: AnswerPiece per token, then one AnswerSummary.
+    ) -> Answer:
+        """The answer, decoded as it is iterated: an AnswerPiece per token; `summary()` afterwards.
 
         The question's tokens read the document as `route.question` says: in one batch routed to
         `route.question_top_k` regions (read once for all of them), in one dense batch, or token by
-        token through the route. Every answer token is decoded on its own through the route.
+        token through the route. Every answer token is decoded on its own through the route. Setting
+        `cancel` ends the answer after the current token (its summary holds what was decoded).
         """
+        return Answer(self._decode_answer(question, route, max_tokens, temperature, seed, want_regions, cancel))
+
+    def _decode_answer(self, question: str, route: RouteConfig | None, max_tokens: int, temperature: float,
+                       seed: int, want_regions: bool, cancel: threading.Event | None,
+                       ) -> Generator[AnswerPiece, None, AnswerSummary]:
         if self.llm is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
         check_ask_settings(question, max_tokens, temperature, seed)
@@ -490,15 +440,11 @@ class Session:
             summary.decode_seconds = time.perf_counter() - start
             summary.text = "".join(pieces)
             summary.context_full = capped and summary.n_answer_tokens == max_tokens
-            yield summary
+            return summary
 
     def answer(self, question: str, **kwargs) -> AnswerSummary:
-        """ask() without streaming."""
-        result = None
-        for event in self.ask(question, **kwargs):
-            if isinstance(event, AnswerSummary):
-                result = event
-        return result
+        """ask() without streaming: the finished answer's summary."""
+        return self.ask(question, **kwargs).summary()
 
     def unload(self) -> None:
         """Free the context and its KV cache (the next load_document starts as a new process would)."""

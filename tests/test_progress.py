@@ -7,9 +7,10 @@ import io
 
 import numpy as np
 
+from kvlocal.answer import AnswerSummary
 from kvlocal.progress import StatusLine, answer_summary, download_text, load_summary, prefill_text
 from kvlocal.routing import ReadStats, RouteConfig, RouteMode
-from kvlocal.session import AnswerSummary, LoadResult, PrefillProgress
+from kvlocal.session import LoadResult, PrefillProgress
 
 
 class Terminal(io.StringIO):

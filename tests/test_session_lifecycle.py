@@ -76,9 +76,9 @@ def test_the_question_pass_decides_how_the_question_reads_the_document(cache, ti
 
     def run(question_pass):
         route = RouteConfig(mode="geometric", top_k=2, region=64, question=question_pass, question_top_k=3)
-        events = list(session.ask("which value?", route=route, max_tokens=4))
-        summary = events[-1]
-        answer_steps = [e.stats for e in events[:-1] if e.stats is not None]
+        answer = session.ask("which value?", route=route, max_tokens=4)
+        answer_steps = [piece.stats for piece in answer if piece.stats is not None]
+        summary = answer.summary()
         # what the question read, and what it would read densely
         return summary, (summary.bytes_read - sum(st.bytes_read for st in answer_steps),
                          summary.bytes_dense - sum(st.bytes_dense for st in answer_steps))

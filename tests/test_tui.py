@@ -17,7 +17,8 @@ from textual.widgets import Input, Static
 
 from kvlocal.errors import CancelledError, ModelError, UsageError
 from kvlocal.routing import ReadStats, RouteConfig, RouteMode
-from kvlocal.session import AnswerPiece, AnswerSummary, LoadResult, PrefillProgress
+from kvlocal.answer import Answer, AnswerPiece, AnswerSummary
+from kvlocal.session import LoadResult, PrefillProgress
 from kvlocal.tui.answer_log import Notice
 from kvlocal.tui.app import KvlocalApp
 from kvlocal.tui.heatmap import KvHeatmap, bucket_ends, bucket_starts
@@ -74,6 +75,9 @@ class FakeSession:
         return " ".join(self.tokens[start:end])
 
     def ask(self, question, *, route=None, max_tokens=256, want_regions=False, cancel=None, **_):
+        return Answer(self._decode(question, route, max_tokens, cancel))
+
+    def _decode(self, question, route, max_tokens, cancel):
         if not self.n_prefix:
             raise UsageError("no document is loaded")
         route = route or RouteConfig()
@@ -113,7 +117,7 @@ class FakeSession:
             yield AnswerPiece(text, i, stats)
         summary.text = "".join(pieces)
         summary.decode_seconds = summary.n_answer_tokens / 20.0  # a fixed 20 tok/s keeps snapshots stable
-        yield summary
+        return summary
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -418,17 +418,11 @@ class KvlocalApp(App[None]):
 
     @work(thread=True, group="engine", exit_on_error=False)
     def _ask_worker(self, session, question: str, route: RouteConfig, live: LiveAnswer, entry_id: int, cancel) -> None:
-        from kvlocal.session import AnswerSummary
-
-        summary = None
         try:
-            for event in session.ask(
-                question, route=route, max_tokens=self.max_tokens, want_regions=True, cancel=cancel
-            ):
-                if isinstance(event, AnswerSummary):
-                    summary = event
-                else:
-                    live.add(event)
+            answer = session.ask(question, route=route, max_tokens=self.max_tokens, want_regions=True, cancel=cancel)
+            for piece in answer:
+                live.add(piece)
+            summary = answer.summary()
         except KvlocalError as err:
             self.post_message(AnswerFailed(entry_id, str(err)))
             return

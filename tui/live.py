@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvlocal.answer import ReadTotals
+from kvlocal.routing import CHOSEN_FALLBACKS
+
 
 def regions_for(n_tokens: int, region_size: int) -> int:
     return -(-n_tokens // region_size) if region_size > 0 else 0
@@ -107,7 +110,7 @@ class LiveAnswer:
         self._reads = ReadMap.empty(n_layer, regions_for(n_prefix, region_size), region_size, regions_for(n_ctx, region_size))
         self._text: list[str] = []
         self._step: StepCounters | None = None
-        self._totals = StepCounters()
+        self._totals = ReadTotals()
         self._dirty = False
         self._n_tokens = 0
         self._t_first = 0.0
@@ -155,17 +158,10 @@ class LiveAnswer:
         if touched.size:
             reads.extent = max(reads.extent, int(touched[-1]) + 1)
         step = StepCounters.of(
-            stats, n_kv=stats.n_kv, fallback=stats.fallback_reason if stats.fallback not in (0, 1) else ""
+            stats, n_kv=stats.n_kv, fallback=stats.fallback_reason if stats.fallback not in CHOSEN_FALLBACKS else ""
         )
         self._step = step
-        t = self._totals
-        t.rows_read += step.rows_read
-        t.rows_dense += step.rows_dense
-        t.bytes_read += step.bytes_read
-        t.bytes_meta += step.bytes_meta
-        t.bytes_dense += step.bytes_dense
-        t.reduction = t.bytes_dense / t.bytes_read if t.bytes_read else 1.0
-        t.fallback = step.fallback or t.fallback
+        self._totals.add(stats)
 
     # -- UI side ----------------------------------------------------------------------------------
 
@@ -185,7 +181,7 @@ class LiveAnswer:
                 step=self._step,
                 n_tokens=self._n_tokens,
                 rate=rate,
-                totals=StepCounters(**vars(self._totals)),
+                totals=StepCounters.of(self._totals, fallback=self._totals.fallback),
             )
 
     def reads(self) -> ReadMap:

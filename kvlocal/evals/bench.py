@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvlocal.evals.runner import DEFAULT_DEPTHS, make_case
 from kvlocal.routing import RouteConfig
-from kvlocal.session import AnswerPiece, Session
+from kvlocal.session import Session
 
 
 @dataclass
@@ -81,9 +81,9 @@ def time_to_first_token(session: Session, text: str, route: RouteConfig, questio
             session.unload()  # a new context, as a new process would have
         start = time.perf_counter()
         session.load_document(text, label="bench ttft", use_cache=use_cache)
-        for event in session.ask(question, route=route, max_tokens=1):
-            if isinstance(event, AnswerPiece):
-                break
+        answer = session.ask(question, route=route, max_tokens=1)
+        next(answer, None)  # the first token (or none, if the answer ends at once)
+        answer.close()
         out[label] = time.perf_counter() - start
     return out
 

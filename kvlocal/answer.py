@@ -1,0 +1,117 @@
+"""One question's answer: the pieces as they are decoded, then its totals.
+
+`Session.ask` returns an `Answer`. Iterate it for `AnswerPiece`s (the text of each token and what
+its step read); once it is exhausted, `Answer.summary()` holds the totals. `ReadTotals` is the one
+accumulator of read statistics: the summary is one, and the TUI's live counters keep another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlocal.routing import CHOSEN_FALLBACKS, ReadStats, RouteConfig
+
+
+@dataclass
+class AnswerPiece:
+    """One generated token: its text (possibly empty while UTF-8 is incomplete) and what it read."""
+
+    text: str
+    token: int
+    stats: ReadStats | None
+
+
+@dataclass(kw_only=True)
+class ReadTotals:
+    """Read statistics summed over steps (a batch read at once counts as one step)."""
+
+    steps: int = 0
+    rows_read: int = 0
+    rows_dense: int = 0
+    bytes_read: int = 0
+    bytes_meta: int = 0
+    bytes_dense: int = 0
+    fallback: str = ""  # why the engine last fell back to dense attention, if it did unasked
+    region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> times read
+
+    @property
+    def reduction(self) -> float:
+        return self.bytes_dense / self.bytes_read if self.bytes_read else 1.0
+
+    def add(self, stats: ReadStats) -> None:
+        self.steps += 1
+        self.rows_read += stats.rows_read
+        self.rows_dense += stats.rows_dense
+        self.bytes_read += stats.bytes_read
+        self.bytes_meta += stats.bytes_meta
+        self.bytes_dense += stats.bytes_dense
+        if stats.fallback not in CHOSEN_FALLBACKS:
+            self.fallback = stats.fallback_reason
+        for li, layer in enumerate(stats.layers):
+            for region in np.unique(stats.regions[li]):
+                key = (int(layer), int(region))
+                self.region_reads[key] = self.region_reads.get(key, 0) + 1
+
+
+@dataclass
+class AnswerSummary(ReadTotals):
+    """The totals of a finished (or cancelled) answer."""
+
+    text: str
+    n_question_tokens: int
+    n_answer_tokens: int
+    decode_seconds: float
+    route: RouteConfig
+    context_full: bool = False  # the answer stopped because the context had no room left
+    question_bytes_read: int = 0  # of bytes_read, what the question's tokens read
+    question_bytes_dense: int = 0  # of bytes_dense, what they would have read densely
+
+    @property
+    def answer_reduction(self) -> float:
+        """The KV bytes reduction of the answer's steps alone (the question's read left out)."""
+        read = self.bytes_read - self.question_bytes_read
+        return (self.bytes_dense - self.question_bytes_dense) / read if read else 1.0
+
+    @property
+    def decode_rate(self) -> float:
+        return self.n_answer_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class Answer(Iterator[AnswerPiece]):
+    """An answer being decoded: iterate for its pieces, then read `summary()`.
+
+    `summary()` and `text()` decode whatever is left first. `close()` abandons the answer (the
+    session is left ready for the next question); its summary is then not available.
+    """
+
+    def __init__(self, pieces: Generator[AnswerPiece, None, AnswerSummary]) -> None:
+        self._pieces = pieces
+        self._summary: AnswerSummary | None = None
+        self._closed = False
+
+    def __next__(self) -> AnswerPiece:
+        if self._summary is not None or self._closed:
+            raise StopIteration
+        try:
+            return next(self._pieces)
+        except StopIteration as end:
+            self._summary = end.value
+            raise StopIteration from None
+
+    def close(self) -> None:
+        if self._summary is None:
+            self._closed = True
+        self._pieces.close()
+
+    def summary(self) -> AnswerSummary:
+        for _ in self:
+            pass
+        if self._summary is None:
+            raise RuntimeError("the answer was abandoned (closed) before it finished")
+        return self._summary
+
+    def text(self) -> str:
+        return self.summary().text
