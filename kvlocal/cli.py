@@ -49,6 +49,12 @@ def err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def option_hint(setting: str | None) -> str:
+    """The option that sets a core setting, as a hint after a core error (RouteConfig and Session
+    fields are named as the options are: top_k is --top-k)."""
+    return f" (option --{setting.replace('_', '-')})" if setting else ""
+
+
 def handles_errors(fn):
     """One-line errors with the error's exit code; Ctrl-C exits 130 without a traceback."""
 
@@ -57,7 +63,7 @@ def handles_errors(fn):
         try:
             return fn(*args, **kwargs)
         except KvlocalError as e:
-            err(f"kvlocal: error: {e}")
+            err(f"kvlocal: error: {e}{option_hint(e.setting)}")
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             err("\nkvlocal: interrupted")

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 
 class KvlocalError(Exception):
-    """A failure the user can act on; `str(err)` is the one-line message."""
+    """A failure the user can act on; `str(err)` is the one-line message, in the core's words.
+
+    `setting` names the setting at fault (a RouteConfig or Session field such as "top_k" or "ctx"),
+    so that a front end can point at its own control for it (the CLI names its option).
+    """
 
     exit_code = 1
+
+    def __init__(self, message: str = "", *, setting: str | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 class UsageError(KvlocalError):

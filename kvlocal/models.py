@@ -126,7 +126,7 @@ class ResolvedModel:
 def resolve_model(name_or_path: str | None, progress: Progress | None = None) -> ResolvedModel:
     """An alias (downloaded and verified if needed) or a local GGUF path."""
     if name_or_path is not None and not name_or_path.strip():
-        raise UsageError("--model is empty; give an alias (see `kvlocal models`) or a path to a .gguf file")
+        raise UsageError("the model name is empty; give an alias or a path to a .gguf file", setting="model")
     name = name_or_path or DEFAULT_ALIAS
     looks_like_path = any(sep in name for sep in (os.sep, os.altsep) if sep) or name.endswith(".gguf")
     if not looks_like_path and name in ALIASES:

@@ -61,14 +61,16 @@ CHOSEN_FALLBACKS = (0, 1, 6)
 def check_centroid_block(centroid_block: int) -> None:
     """UsageError unless the block is one the engine keeps centroids for (0: no centroids, every step dense)."""
     if centroid_block != 0 and centroid_block not in CENTROID_BLOCKS:
-        raise UsageError(f"--centroid-block must be one of {', '.join(map(str, CENTROID_BLOCKS))} (got {centroid_block})")
+        raise UsageError(f"the centroid block must be one of {', '.join(map(str, CENTROID_BLOCKS))} tokens "
+                         f"(got {centroid_block})", setting="centroid_block")
 
 
 def check_region_block(region: int, centroid_block: int) -> None:
     """A region is scored from whole centroid blocks: UsageError unless the block divides it (0: no centroids)."""
     check_centroid_block(centroid_block)
     if centroid_block and region % centroid_block:
-        raise UsageError(f"--region {region} must be a multiple of the centroid block {centroid_block}")
+        raise UsageError(f"a region of {region} tokens must be a multiple of the centroid block ({centroid_block})",
+                         setting="region")
 
 
 @dataclass(frozen=True)
@@ -89,21 +91,28 @@ class RouteConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
-            raise UsageError(f"unknown route mode {self.mode!r}; choose one of {', '.join(MODE_NAMES)}")
+            raise UsageError(f"unknown route mode {self.mode!r}; choose one of {', '.join(MODE_NAMES)}", setting="route")
         if self.region <= 0 or self.region & (self.region - 1) or MAX_REGION % self.region:
-            raise UsageError(f"--region must be a power of two that divides {MAX_REGION} (got {self.region})")
+            raise UsageError(f"the region size must be a power of two that divides {MAX_REGION} (got {self.region})",
+                             setting="region")
         # the engine takes these as 32-bit ints: a bigger value would wrap in ctypes, not fail
         if self.question not in QUESTION_PASSES:
-            raise UsageError(f"--question-pass must be one of {', '.join(QUESTION_PASSES)} (got {self.question!r})")
-        for option, value, top in (("--top-k", self.top_k, MAX_TOP_K), ("--question-top-k", self.question_top_k, MAX_TOP_K),
-                                   ("--window", self.window, MAX_WINDOW),
-                                   ("--sinks", self.sinks, MAX_SINKS), ("--shortlist", self.shortlist, MAX_SHORTLIST)):
+            raise UsageError(f"the question pass must be one of {', '.join(QUESTION_PASSES)} (got {self.question!r})",
+                             setting="question_pass")
+        for setting, words, value, top in (
+            ("top_k", "the regions routed per step (top-k)", self.top_k, MAX_TOP_K),
+            ("question_top_k", "the regions a routed question reads", self.question_top_k, MAX_TOP_K),
+            ("window", "the window", self.window, MAX_WINDOW),
+            ("sinks", "the sink tokens", self.sinks, MAX_SINKS),
+            ("shortlist", "the shortlist", self.shortlist, MAX_SHORTLIST),
+        ):
             if not 0 <= value <= top:
-                raise UsageError(f"{option} must be between 0 and {top:,} (got {value})")
+                raise UsageError(f"{words} must be between 0 and {top:,} (got {value})", setting=setting)
         if not (math.isfinite(self.keep) and 0 <= self.keep < 1):
-            raise UsageError(f"--keep must be at least 0 and below 1 (got {self.keep})")
+            raise UsageError(f"the selection memory's keep must be at least 0 and below 1 (got {self.keep})",
+                             setting="keep")
         if not 0 <= self.seed <= MAX_SEED:
-            raise UsageError(f"--seed must be between 0 and {MAX_SEED} (got {self.seed})")
+            raise UsageError(f"the random route's seed must be between 0 and {MAX_SEED} (got {self.seed})", setting="seed")
 
     @property
     def route_mode(self) -> RouteMode:

@@ -91,7 +91,7 @@ class Session:
             raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
         check_centroid_block(centroid_block)
         if threads is not None and not 1 <= threads <= MAX_THREADS:
-            raise UsageError(f"--threads must be between 1 and {MAX_THREADS} (got {threads})")
+            raise UsageError(f"the thread count must be between 1 and {MAX_THREADS} (got {threads})", setting="threads")
         self.engine = require_patched()
         self.model: ResolvedModel = resolve_model(model, progress=model_progress)
         self.kv_type = kv_type
@@ -101,7 +101,8 @@ class Session:
         self.requested_ctx = n_ctx
         self.trained_ctx = int(self.model.info.context_length or 0) or 32768
         if n_ctx is not None and not 256 <= n_ctx <= self.trained_ctx:
-            raise UsageError(f"--ctx must be between 256 and the model's trained context {self.trained_ctx}")
+            raise UsageError(f"the context size must be between 256 and the model's trained context {self.trained_ctx}",
+                             setting="ctx")
         self._vocab_llm = self._new_llama(vocab_only=True)
         self.chat_template = self._vocab_llm.metadata.get("tokenizer.chat_template")
         self.llm = None
@@ -165,13 +166,11 @@ class Session:
         else:
             limit = self.trained_ctx
         if needed > limit:
-            hint = (
-                f"; raise --ctx (up to {self.trained_ctx})" if limit < self.trained_ctx else " (the model's trained context)"
-            )
+            larger = limit < self.trained_ctx
+            hint = f"; a larger context (up to {self.trained_ctx:,}) would hold it" if larger else " (the model's trained context)"
             raise ContextOverflowError(
                 f"the document is {n_tokens:,} tokens and needs {needed:,} with room for a question and answer, "
-                f"but the context holds {limit:,}{hint}"
-            )
+                f"but the context holds {limit:,}{hint}", setting="ctx" if larger else None)
         if self.requested_ctx is not None:
             return self.requested_ctx
         return min(self.trained_ctx, -(-needed // CTX_ROUND) * CTX_ROUND)
@@ -397,7 +396,7 @@ class Session:
             if room < 1:
                 raise ContextOverflowError(
                     f"the question ({len(q_tokens):,} tokens) does not fit in the {self.llm.n_ctx() - self.n_prefix:,} "
-                    f"tokens of context left after the document; a larger --ctx leaves more room")
+                    f"tokens of context left after the document; a larger context leaves more room", setting="ctx")
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
             summary = AnswerSummary("", len(q_tokens), 0, 0.0, route)
@@ -462,11 +461,12 @@ def check_ask_settings(question: str, max_tokens: int, temperature: float, seed:
     if not question.strip():
         raise UsageError("the question is empty")
     if max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1 (got {max_tokens})")
+        raise UsageError(f"the answer must be allowed at least 1 token (got {max_tokens})", setting="max_tokens")
     if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
-        raise UsageError(f"--temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g} (got {temperature})")
+        raise UsageError(f"the temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g} (got {temperature})",
+                         setting="temperature")
     if not 0 <= seed < 2**32:
-        raise UsageError(f"--seed must be between 0 and {2**32 - 1} (got {seed})")
+        raise UsageError(f"the sampling seed must be between 0 and {2**32 - 1} (got {seed})", setting="seed")
 
 
 def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:

@@ -157,7 +157,7 @@ def test_an_answer_cut_by_a_full_context_says_so(cache_dir, doc, tiny_model):
 
 def test_empty_model_name_is_a_usage_error(cache_dir, doc):
     result = run("ask", str(doc), "q?", "--model", "")
-    assert result.exit_code == 2 and "--model is empty" in result.stderr
+    assert result.exit_code == 2 and "the model name is empty" in result.stderr and "(option --model)" in result.stderr
 
 
 def test_empty_question_is_refused_before_the_prefill(cache_dir, doc, tiny_model):

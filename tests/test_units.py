@@ -54,10 +54,12 @@ def test_question_pass_settings_are_validated_and_described():
 
     routing = pytest.importorskip("kvlocal.routing", exc_type=ImportError)
     assert DEFAULT_QUESTION in QUESTION_PASSES
-    with pytest.raises(UsageError, match="--question-pass"):
+    with pytest.raises(UsageError, match="question pass") as info:
         routing.RouteConfig(question="sideways")
-    with pytest.raises(UsageError, match="--question-top-k"):
+    assert info.value.setting == "question_pass"
+    with pytest.raises(UsageError, match="regions a routed question reads") as info:
         routing.RouteConfig(question_top_k=-1)
+    assert info.value.setting == "question_top_k"
     assert routing.RouteConfig(question="routed", question_top_k=7).question_batch_top_k == 7
     assert routing.RouteConfig(question="dense", question_top_k=7).question_batch_top_k == 0
     assert "one dense pass" in routing.RouteConfig(question="dense").describe()
