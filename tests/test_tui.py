@@ -410,7 +410,9 @@ engine = pytest.mark.skipif(not _engine_ready(), reason="needs the patched llama
 def tiny_app(tiny_model: Path, doc: Path) -> KvlocalApp:
     from kvlocal.session import Session
 
-    return KvlocalApp(doc, session_factory=lambda progress: Session(str(tiny_model), threads=2, model_progress=progress))
+    # a short answer keeps the test quick on a busy machine (the tiny model never stops by itself)
+    return KvlocalApp(doc, session_factory=lambda progress: Session(str(tiny_model), threads=2, model_progress=progress),
+                      max_tokens=48)
 
 
 @engine
