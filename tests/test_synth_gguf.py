@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from synth_gguf import QWEN25_CHAT_TEMPLATE, tiny_vocab, write_tiny_qwen2
 
-from kvlocal.models import validate_gguf
+from kvlocal.gguf_header import validate_gguf
 
 try:
     import llama_cpp
