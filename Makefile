@@ -37,7 +37,7 @@ demo: setup
 	$(BIN)/kvlocal demo
 
 test: setup backend-ops
-	KVLOCAL_BACKEND_OPS=$(BACKEND_OPS) $(BIN)/python -m pytest -q
+	KVLOCAL_REQUIRE_ENGINE=1 KVLOCAL_BACKEND_OPS=$(BACKEND_OPS) $(BIN)/python -m pytest -q
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not model"

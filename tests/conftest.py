@@ -1,7 +1,16 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the one gate for tests that need the engine.
+
+A test that needs the patched llama-cpp-python engine is marked `engine` (a module sets
+`pytestmark`); one that needs the real default model is marked `model` as well. Without llama_cpp
+installed the `engine` tests are skipped, so `pytest -m "not engine"` and a plain `pytest` both run
+everywhere; with KVLOCAL_REQUIRE_ENGINE=1 (`make test`) a missing engine fails the run instead.
+An engine that is installed but stale (built from other patches) is never skipped: its tests fail.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -25,3 +34,30 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _private_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Model verification records a read-only cache falls back to stay out of the real home."""
     monkeypatch.setenv("KVLOCAL_STATE_DIR", str(tmp_path_factory.mktemp("user-state")))  # one per test
+
+
+def _engine_installed() -> bool:
+    try:
+        return importlib.util.find_spec("llama_cpp") is not None and _imports("llama_cpp")
+    except (ImportError, ValueError):
+        return False
+
+
+def _imports(name: str) -> bool:
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _engine_installed():
+        return
+    if os.environ.get("KVLOCAL_REQUIRE_ENGINE") == "1":
+        raise pytest.UsageError("KVLOCAL_REQUIRE_ENGINE=1 but llama_cpp (the patched engine) is not installed; "
+                                "run `make engine`")
+    skip = pytest.mark.skip(reason="needs the patched llama-cpp-python engine (llama_cpp is not installed)")
+    for item in items:
+        if "engine" in item.keywords:
+            item.add_marker(skip)

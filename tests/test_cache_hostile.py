@@ -164,7 +164,6 @@ def test_a_read_only_cache_root_hashes_a_local_model_once(tiny_model, cache_dir,
 
 @pytest.mark.engine
 def test_a_read_only_cache_with_a_stale_entry_still_answers(cache_dir, doc, tiny_model, read_only):
-    pytest.importorskip("llama_cpp")
     assert ask(doc, tiny_model).exit_code == 0
     [entry] = kvstate.list_entries()
     data = bytearray(entry.path.read_bytes())
@@ -301,7 +300,6 @@ def test_a_file_for_the_states_folder_is_named(cache_dir):
 
 @pytest.mark.engine
 def test_doctor_reports_a_file_for_a_cache_dir(file_cache):
-    pytest.importorskip("llama_cpp")
     result = run("doctor")
     assert result.exit_code == 0, result.stderr
     assert f"the kvlocal cache dir {file_cache} (KVLOCAL_CACHE_DIR) is a file, not a folder" in result.stdout
@@ -374,7 +372,6 @@ def test_an_odd_explicit_head_size_is_refused(tmp_path, cache_dir, extra, size):
 
 @pytest.mark.engine
 def test_ask_with_an_embedding_model_is_a_one_line_error(tmp_path, cache_dir, doc):
-    pytest.importorskip("llama_cpp")
     path = write_header_model(tmp_path / "bert.gguf", "bert", causal=False, pooling=2)
     result = ask(doc, path)
     assert result.exit_code == 1
@@ -386,7 +383,6 @@ def test_ask_with_an_embedding_model_is_a_one_line_error(tmp_path, cache_dir, do
 
 @pytest.mark.engine
 def test_ask_with_an_odd_head_size_is_a_one_line_error(tmp_path, cache_dir, doc):
-    pytest.importorskip("llama_cpp")
     path = write_tiny_qwen2(tmp_path / "odd.gguf", n_embd=60)
     result = ask(doc, path)
     assert result.exit_code == 1
@@ -397,7 +393,6 @@ def test_ask_with_an_odd_head_size_is_a_one_line_error(tmp_path, cache_dir, doc)
 def test_a_ggml_abort_does_not_start_a_debugger(tmp_path):
     """Past kvlocal's checks (here: the engine called directly), a ggml assertion still aborts,
     but without forking gdb for a backtrace."""
-    pytest.importorskip("llama_cpp")
     path = write_tiny_qwen2(tmp_path / "odd.gguf", n_embd=60)
     code = textwrap.dedent(
         f"""

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.engine
 
 from synth_gguf import write_truncated  # noqa: E402

@@ -11,7 +11,6 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-pytest.importorskip("llama_cpp")
 
 from kvlocal.cli import app  # noqa: E402
 

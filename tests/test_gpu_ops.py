@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.engine
 
 from engine_probe import RawContext, ggml_base  # noqa: E402

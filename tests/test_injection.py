@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("llama_cpp")
 
 from synth_gguf import SPECIAL_TOKENS, write_tiny_qwen2  # noqa: E402
 

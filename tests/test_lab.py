@@ -116,7 +116,6 @@ def test_rules_registry_names_callables():
 @pytest.mark.engine
 def test_capture_on_a_tiny_model(tmp_path):
     """The eval callback records one Q and K per layer and step; the state parser reads the keys back."""
-    pytest.importorskip("llama_cpp")
     from synth_gguf import write_tiny_qwen2
 
     from kvlocal.engine import llama_cpp

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("llama_cpp")
 
 from kvlocal.routing import RouteConfig  # noqa: E402
 from kvlocal.sample import SAMPLE_ANSWER, SAMPLE_QUESTION, sample_document  # noqa: E402

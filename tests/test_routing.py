@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.engine
 
 from engine_probe import GraphRecorder, RawContext  # noqa: E402

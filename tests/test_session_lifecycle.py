@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.engine
 
 from kvlocal.routing import RouteConfig, read_stats  # noqa: E402

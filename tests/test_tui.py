@@ -394,17 +394,6 @@ def test_snapshot_after_answer(snap_compare, tmp_path, size):
 # -- the real session on the tiny model ------------------------------------------------------------
 
 
-def _engine_ready() -> bool:
-    try:
-        from kvlocal.engine import require_patched
-
-        require_patched()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-engine = pytest.mark.skipif(not _engine_ready(), reason="needs the patched llama-cpp-python engine")
 
 
 def tiny_app(tiny_model: Path, doc: Path) -> KvlocalApp:
@@ -415,7 +404,6 @@ def tiny_app(tiny_model: Path, doc: Path) -> KvlocalApp:
                       max_tokens=48)
 
 
-@engine
 @pytest.mark.engine
 @pytest.mark.asyncio
 async def test_tiny_model_open_ask_stream_and_regions(cache_dir, doc, tiny_model, monkeypatch):
@@ -468,7 +456,6 @@ async def test_tiny_model_open_ask_stream_and_regions(cache_dir, doc, tiny_model
         assert app.document is not None and app.document.cache_hit
 
 
-@engine
 @pytest.mark.engine
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 def test_snapshot_tiny_model_loaded(snap_compare, cache_dir, doc, tiny_model, size):
