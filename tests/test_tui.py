@@ -394,8 +394,6 @@ def test_snapshot_after_answer(snap_compare, tmp_path, size):
 # -- the real session on the tiny model ------------------------------------------------------------
 
 
-
-
 def tiny_app(tiny_model: Path, doc: Path) -> KvlocalApp:
     from kvlocal.session import Session
 

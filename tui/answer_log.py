@@ -11,7 +11,8 @@ from textual.message import Message
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from kvlocal.tui.live import ReadMap, StepCounters
+from kvlocal.answer import ReadTotals
+from kvlocal.tui.live import ReadMap
 
 
 def route_label(route: Any) -> str:
@@ -81,7 +82,7 @@ class AnswerEntry(Vertical):
         self.question = question
         self.route = route
         self.reads: ReadMap | None = None
-        self.totals: StepCounters | None = None
+        self.totals: ReadTotals | None = None
         self.summary: Any = None  # kvlocal.session.AnswerSummary once finished
         self.text = ""
         self.done = False

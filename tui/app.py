@@ -33,7 +33,7 @@ from kvlocal.tui.counters import ReadCounters
 from kvlocal.tui.file_picker import FilePicker
 from kvlocal.tui.heatmap import NOW, SHADES, KvHeatmap
 from kvlocal.tui.help_screen import HelpScreen
-from kvlocal.tui.live import LiveAnswer, ReadMap, StepCounters, regions_for
+from kvlocal.tui.live import LiveAnswer, ReadMap, regions_for
 from kvlocal.tui.load_screen import LoadScreen
 from kvlocal.tui.messages import (
     AnswerFailed,
@@ -498,12 +498,10 @@ class KvlocalApp(App[None]):
         summary = entry.summary
         if reads is not None:
             self.heatmap.set_reads(reads)
-        totals = entry.totals or StepCounters()
         if summary is not None:
-            totals = StepCounters.of(summary, fallback=summary.fallback)
             self.counters.show_live(
                 None,
-                totals,
+                summary,
                 summary.n_answer_tokens,
                 summary.decode_rate,
                 label=f"answer {entry.entry_id} · {route_label(entry.route)}",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class StepCounters:
 
     @classmethod
     def of(cls, reads, **extra) -> "StepCounters":
-        """The counters of a ReadStats (one step) or an AnswerSummary (a whole answer)."""
+        """The counters of one step's ReadStats."""
         return cls(
             rows_read=reads.rows_read,
             rows_dense=reads.rows_dense,
@@ -98,7 +98,7 @@ class LiveUpdate:
     step: StepCounters | None
     n_tokens: int
     rate: float  # decode tokens per second so far
-    totals: StepCounters = field(default_factory=StepCounters)  # summed over the answer's steps
+    totals: ReadTotals = field(default_factory=ReadTotals)  # summed over the answer's steps (a copy)
 
 
 class LiveAnswer:
@@ -181,7 +181,7 @@ class LiveAnswer:
                 step=self._step,
                 n_tokens=self._n_tokens,
                 rate=rate,
-                totals=StepCounters.of(self._totals, fallback=self._totals.fallback),
+                totals=replace(self._totals, region_reads={}),  # a snapshot; the map is not shown
             )
 
     def reads(self) -> ReadMap:
