@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from kvlocal.units import human_bytes
 from kvlocal.answer import ReadTotals
-from kvlocal.tui.live import StepCounters
+from kvlocal.routing import ReadStats
+from kvlocal.units import human_bytes
 
 IDLE = "Ask a question to see which KV regions each decode step reads.\nx: regions of the context, start to end · y: layers, first on top"
 
@@ -32,7 +32,7 @@ class ReadCounters(Static):
 
     def show_live(
         self,
-        step: StepCounters | None,
+        step: ReadStats | None,
         totals: ReadTotals,
         n_tokens: int,
         rate: float | None,

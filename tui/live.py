@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvlocal.answer import ReadTotals
-from kvlocal.routing import CHOSEN_FALLBACKS
+from kvlocal.routing import ReadStats
 
 
 def regions_for(n_tokens: int, region_size: int) -> int:
@@ -65,37 +65,10 @@ class ReadMap:
 
 
 @dataclass
-class StepCounters:
-    """Counters of the latest decode step, for the counter line."""
-
-    rows_read: int = 0
-    rows_dense: int = 0
-    bytes_read: int = 0
-    bytes_meta: int = 0
-    bytes_dense: int = 0
-    reduction: float = 1.0
-    n_kv: int = 0
-    fallback: str = ""
-
-    @classmethod
-    def of(cls, reads, **extra) -> "StepCounters":
-        """The counters of one step's ReadStats."""
-        return cls(
-            rows_read=reads.rows_read,
-            rows_dense=reads.rows_dense,
-            bytes_read=reads.bytes_read,
-            bytes_meta=reads.bytes_meta,
-            bytes_dense=reads.bytes_dense,
-            reduction=reads.reduction,
-            **extra,
-        )
-
-
-@dataclass
 class LiveUpdate:
     text: str
     reads: ReadMap | None  # None when no step arrived since the last update
-    step: StepCounters | None
+    step: ReadStats | None  # the latest step's, as the engine counted them
     n_tokens: int
     rate: float  # decode tokens per second so far
     totals: ReadTotals = field(default_factory=ReadTotals)  # summed over the answer's steps (a copy)
@@ -109,7 +82,7 @@ class LiveAnswer:
         self._lock = threading.Lock()
         self._reads = ReadMap.empty(n_layer, regions_for(n_prefix, region_size), region_size, regions_for(n_ctx, region_size))
         self._text: list[str] = []
-        self._step: StepCounters | None = None
+        self._step: ReadStats | None = None
         self._totals = ReadTotals()
         self._dirty = False
         self._n_tokens = 0
@@ -157,10 +130,7 @@ class LiveAnswer:
         touched = np.flatnonzero(now.any(axis=0))
         if touched.size:
             reads.extent = max(reads.extent, int(touched[-1]) + 1)
-        step = StepCounters.of(
-            stats, n_kv=stats.n_kv, fallback=stats.fallback_reason if stats.fallback not in CHOSEN_FALLBACKS else ""
-        )
-        self._step = step
+        self._step = stats
         self._totals.add(stats)
 
     # -- UI side ----------------------------------------------------------------------------------
