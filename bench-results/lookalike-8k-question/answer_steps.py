@@ -1,5 +1,7 @@
 """Accuracy outside the window, total reduction and the answer steps' reduction per route, from
-results.jsonl files of `kvlocal eval --question-pass dense`. Rows that record the question's read
+results.jsonl files of `kvlocal eval --question-pass dense`, and how often a route gives the answer
+full attention gives on the same fact (paired: where full itself is often wrong, as at 32k, this
+says more than accuracy). Rows that record the question's read
 (question_bytes_read/dense) use it; older rows take one dense read (bytes_dense / steps) as the
 question's, which is what a dense question batch reads.
 
@@ -13,9 +15,12 @@ from statistics import mean
 from kvlocal.evals.report import _outside_window, question_pass, wilson_interval
 
 groups = defaultdict(list)
+full_answer = {}  # (length, seed, depth, question pass) -> full attention's answer
 for path in sys.argv[1:]:
     for line in open(path):
         r = json.loads(line)
+        if r["mode"] == "full":
+            full_answer[(r["length"], r["seed"], r["depth"], question_pass(r))] = r["answer"].strip()
         key = (r["length"], r["mode"], r["top_k"] if r["mode"] != "full" else 0, r.get("shortlist"),
                r.get("estimate"), question_pass(r))
         groups[key].append(r)
@@ -30,12 +35,23 @@ def answer_reduction(r):
     return (r["bytes_dense"] - q_dense) / read if read > 0 else 1.0
 
 
-print("| length | route | question | acc. outside window [95 % CI] (n) | total reduction | answer steps' reduction |")
-print("|---:|---|---|---:|---:|---:|")
+def same_as_full(rows):
+    paired = [r["answer"].strip() == full_answer[key] for r in rows
+              if (key := (r["length"], r["seed"], r["depth"], question_pass(r))) in full_answer]
+    if not paired:
+        return "–"
+    share = mean(paired)
+    lo, hi = wilson_interval(share, len(paired))
+    return f"{share:.0%} [{lo * 100:.0f}–{hi * 100:.0f}] ({len(paired)})"
+
+
+print("| length | route | question | acc. outside window [95 % CI] (n) | same answer as full, outside window (n) "
+      "| total reduction | answer steps' reduction |")
+print("|---:|---|---|---:|---:|---:|---:|")
 for (length, mode, k, shortlist, est, q), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
     far = [r for r in rows if _outside_window(r)]
     acc = mean(r["score"] for r in far)
     lo, hi = wilson_interval(acc, len(far))
     route = "full" if mode == "full" else f"{mode} top-{k}, shortlist {shortlist}{'' if est else ', no estimate'}"
-    print(f"| {length:,} | {route} | {q} | {acc:.0%} [{lo * 100:.0f}–{hi * 100:.0f}] ({len(far)}) | "
+    print(f"| {length:,} | {route} | {q} | {acc:.0%} [{lo * 100:.0f}–{hi * 100:.0f}] ({len(far)}) | {same_as_full(far)} | "
           f"{mean(r['reduction'] for r in rows):.1f}x | {mean(answer_reduction(r) for r in rows):.1f}x |")
