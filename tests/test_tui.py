@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from textual.widgets import Input, Static
 
-from kvlocal.errors import CancelledError, ModelError, UsageError
-from kvlocal.routing import ReadStats, RouteConfig, RouteMode
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary
+from kvlocal.errors import CancelledError, ModelError, UsageError
+from kvlocal.route_settings import DEFAULT_TOP_K as K
+from kvlocal.routing import ReadStats, RouteConfig, RouteMode
 from kvlocal.session import LoadResult, PrefillProgress
 from kvlocal.tui.answer_log import Notice
 from kvlocal.tui.app import KvlocalApp
@@ -227,7 +228,7 @@ async def test_open_ask_stream_and_inspect_regions(doc):
         assert entry.text == " ".join(session.answer_words)
         assert entry.reads.steps == len(session.answer_words)
         assert entry.reads.acc.shape[0] == session.n_layer
-        assert "geometric k=8" in str(entry.query_one("#meta", Static).render())
+        assert f"geometric k={K}" in str(entry.query_one("#meta", Static).render())
 
         # after the answer, the most-read region is highlighted and its text shown
         sources = app.query_one(SourcesList)
@@ -261,19 +262,20 @@ async def test_mode_budget_and_reask_make_comparable_entries(doc):
         assert app.route.mode == "full"
         await pilot.press("r")
         await wait_for(pilot, lambda: app.busy is None and len(app.log_widget.entries) == 2)
-        await pilot.press("m", "minus", "minus")  # window, k 8 -> 2
-        assert app.route.mode == "window" and app.route.top_k == 2
+        await pilot.press("m", "minus", "minus")  # window, k halved twice
+        assert app.route.mode == "window" and app.route.top_k == K // 4
         await pilot.press("f5")
         await wait_for(pilot, lambda: app.busy is None and len(app.log_widget.entries) == 3)
         await pilot.press("plus")
-        assert app.route.top_k == 4
+        assert app.route.top_k == K // 2
         assert [(q, r.mode, r.top_k) for q, r in session.asked] == [
-            (QUESTION, "geometric", 8),
-            (QUESTION, "full", 8),
-            (QUESTION, "window", 2),
+            (QUESTION, "geometric", K),
+            (QUESTION, "full", K),
+            (QUESTION, "window", K // 4),
         ]
         metas = [str(e.query_one("#meta", Static).render()) for e in app.log_widget.entries]
-        assert metas[0].startswith("geometric k=8") and metas[1].startswith("full") and metas[2].startswith("window k=2")
+        assert metas[0].startswith(f"geometric k={K}") and metas[1].startswith("full")
+        assert metas[2].startswith(f"window k={K // 4}")
         assert all("× less KV" in m for m in (metas[0], metas[2])) and "dense KV read" in metas[1]
         # the full answer read every document region in every layer
         full = app.log_widget.entries[1].reads
