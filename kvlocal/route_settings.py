@@ -11,9 +11,10 @@ from __future__ import annotations
 MODES = ("full", "geometric", "window", "random")
 DEFAULT_MODE = "geometric"
 
-# regions routed per layer and KV head. 4: with the dense question it answers the look-alike facts as
-# often as top-8 at 8k, 16k and 32k (88 %, 69 %, 25 % of 24 / 16 / 24 facts) and reads 1.2-1.3x less
-# (answer steps 8.9x / 16.3x / 26.0x fewer bytes than dense; BENCHMARKS.md, "Session 2026-12-01 (3)")
+# regions routed per layer and KV head. 4 (with a shortlist of 16 and no estimate, below): with the
+# dense question it answers the look-alike facts as often as full attention at 8k, 16k and 32k
+# (88 %, 69 %, 29 % of 24 / 16 / 24 facts) with the answer's steps reading 11.4x / 22.1x / 37.6x
+# fewer bytes than dense; top-2 loses facts at 16k and 32k (BENCHMARKS.md, "Session 2026-12-01 (3)")
 DEFAULT_TOP_K = 4
 DEFAULT_REGION = 64  # tokens per region (the unit gathered)
 DEFAULT_WINDOW = 128  # recent tokens always read (rounded up to regions)
@@ -27,8 +28,10 @@ DEFAULT_CENTROID_BLOCK = 4
 # Two-level scoring (patch 0006): with a centroid block finer than 64 cells (the engine's
 # LLAMA_KV_CENT_COARSE_BLK) the cache also keeps one coarse centroid per 64 cells (the mean of its
 # fine ones); a step scores the coarse ones, shortlists this many regions and ranks only those by
-# their fine centroids. 0: one pass over every fine centroid.
-DEFAULT_SHORTLIST = 32
+# their fine centroids. 0: one pass over every fine centroid. 16 (was 32): top-4 / shortlist 16
+# without the estimate answered as full attention did at 8k, 16k and 32k, scanning half the fine
+# centroids that a shortlist of 32 does.
+DEFAULT_SHORTLIST = 16
 
 # Selection memory (patch 0007): a step's region scores become a softmax and a region keeps
 # max(its share now, KEEP x what it had the step before). 0 selects afresh at every step.
@@ -36,8 +39,11 @@ DEFAULT_KEEP = 0.9
 
 # The estimate of the unread regions (patch 0008): every region a step does not read joins its
 # attention as its mean key and mean value, weighted by its cell count, so the softmax keeps the
-# mass routing would drop. Needs 64-token regions and a centroid block under 64.
-DEFAULT_ESTIMATE = True
+# mass routing would drop. Needs 64-token regions and a centroid block under 64. Off by default since
+# the question is read densely: without it top-4 answered as many look-alike facts at 8k and 16k and
+# more at 32k (7 vs 5 of 24), and a step skips the mean values of every region (at 32k 6.6 of the
+# 29 MiB a step read with it). It had helped while the question's own tokens were routed.
+DEFAULT_ESTIMATE = False
 
 # How the question's tokens read the document (patch 0009): "dense" sends them as one batch that
 # reads the whole cache once; "routed" as one batch whose queries choose QUESTION_TOP_K regions
