@@ -2,7 +2,8 @@
 
 `Session.ask` returns an `Answer`. Iterate it for `AnswerPiece`s (the text of each token and what
 its step read); once it is exhausted, `Answer.summary()` holds the totals. `ReadTotals` is the one
-accumulator of read statistics: the summary is one, and the TUI's live counters keep another.
+accumulator of read statistics: the summary is one (it also counts the regions each layer read),
+and the TUI's live counters keep another (its heatmap keeps the regions).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ class ReadTotals:
     bytes_meta: int = 0
     bytes_dense: int = 0
     fallback: str = ""  # why the engine last fell back to dense attention, if it did unasked
-    region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> times read
 
     @property
     def reduction(self) -> float:
@@ -50,10 +50,6 @@ class ReadTotals:
         self.bytes_dense += stats.bytes_dense
         if stats.fallback not in CHOSEN_FALLBACKS:
             self.fallback = stats.fallback_reason
-        for li, layer in enumerate(stats.layers):
-            for region in np.unique(stats.regions[li]):
-                key = (int(layer), int(region))
-                self.region_reads[key] = self.region_reads.get(key, 0) + 1
 
 
 @dataclass
@@ -68,6 +64,14 @@ class AnswerSummary(ReadTotals):
     context_full: bool = False  # the answer stopped because the context had no room left
     question_bytes_read: int = 0  # of bytes_read, what the question's tokens read
     question_bytes_dense: int = 0  # of bytes_dense, what they would have read densely
+    region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> steps that read it
+
+    def add(self, stats: ReadStats) -> None:
+        super().add(stats)
+        for li, layer in enumerate(stats.layers):
+            for region in np.unique(stats.regions[li]):
+                key = (int(layer), int(region))
+                self.region_reads[key] = self.region_reads.get(key, 0) + 1
 
     @property
     def answer_reduction(self) -> float:

@@ -9,7 +9,6 @@ An engine that is installed but stale (built from other patches) is never skippe
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -37,16 +36,12 @@ def _private_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
 
 
 def _engine_installed() -> bool:
-    try:
-        return importlib.util.find_spec("llama_cpp") is not None and _imports("llama_cpp")
-    except (ImportError, ValueError):
-        return False
+    from kvlocal.engine import llama_cpp
+    from kvlocal.errors import EngineError
 
-
-def _imports(name: str) -> bool:
     try:
-        __import__(name)
-    except ImportError:
+        llama_cpp()
+    except EngineError:
         return False
     return True
 

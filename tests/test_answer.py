@@ -63,4 +63,10 @@ def test_read_totals_report_only_fallbacks_nobody_chose():
     assert totals.fallback == "" and totals.steps == 2
     totals.add(stats(fallback=2))
     assert totals.fallback and totals.reduction == 3 * 4000 / (3 * 1024)
-    assert totals.region_reads == {(0, 0): 3, (0, 3): 3}
+
+
+def test_a_summary_also_counts_the_regions_each_layer_read():
+    summary = AnswerSummary("", 3, 0, 0.0, ROUTE)
+    for _ in range(3):
+        summary.add(stats())
+    assert summary.steps == 3 and summary.region_reads == {(0, 0): 3, (0, 3): 3}

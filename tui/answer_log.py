@@ -11,7 +11,6 @@ from textual.message import Message
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from kvlocal.answer import ReadTotals
 from kvlocal.tui.live import ReadMap
 
 
@@ -82,7 +81,6 @@ class AnswerEntry(Vertical):
         self.question = question
         self.route = route
         self.reads: ReadMap | None = None
-        self.totals: ReadTotals | None = None
         self.summary: Any = None  # kvlocal.session.AnswerSummary once finished
         self.text = ""
         self.done = False

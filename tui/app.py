@@ -446,7 +446,6 @@ class KvlocalApp(App[None]):
             self._refresh_region_view()
         if update.step is not None:
             self.counters.show_live(update.step, update.totals, update.n_tokens, update.rate)
-        entry.totals = update.totals
 
     async def on_answer_finished(self, message: AnswerFinished) -> None:
         await self._drain_live()

@@ -151,7 +151,7 @@ class LiveAnswer:
                 step=self._step,
                 n_tokens=self._n_tokens,
                 rate=rate,
-                totals=replace(self._totals, region_reads={}),  # a snapshot; the map is not shown
+                totals=replace(self._totals),  # a snapshot
             )
 
     def reads(self) -> ReadMap:
