@@ -14,7 +14,8 @@ DEFAULT_MODE = "geometric"
 # regions routed per layer and KV head. 4 (with a shortlist of 16 and no estimate, below): with the
 # dense question it answers the look-alike facts as often as full attention at 8k, 16k and 32k
 # (88 %, 69 %, 29 % of 24 / 16 / 24 facts) with the answer's steps reading 11.4x / 22.1x / 37.6x
-# fewer bytes than dense; top-2 loses facts at 16k and 32k (BENCHMARKS.md, "Session 2026-12-01 (3)")
+# fewer bytes than dense; top-2 lost 2 of 16 facts at 16k (no estimate) and 4 of 24 at 32k (with it)
+# (BENCHMARKS.md, "Session 2026-12-01 (3)")
 DEFAULT_TOP_K = 4
 DEFAULT_REGION = 64  # tokens per region (the unit gathered)
 DEFAULT_WINDOW = 128  # recent tokens always read (rounded up to regions)
@@ -40,9 +41,9 @@ DEFAULT_KEEP = 0.9
 # The estimate of the unread regions (patch 0008): every region a step does not read joins its
 # attention as its mean key and mean value, weighted by its cell count, so the softmax keeps the
 # mass routing would drop. Needs 64-token regions and a centroid block under 64. Off by default since
-# the question is read densely: without it top-4 answered as many look-alike facts at 8k and 16k and
-# more at 32k (7 vs 5 of 24), and a step skips the mean values of every region (at 32k 6.6 of the
-# 29 MiB a step read with it). It had helped while the question's own tokens were routed.
+# the question is read densely: top-4 / shortlist 16 without it answered as many look-alike facts as
+# full attention at 8k and 16k (88 %, 69 %) and more than with it at 32k (7 vs 5 of 24), and a step skips the mean values of every region (at 32k 6.7 of the
+# 29.2 MiB a step read with it). It had helped while the question's own tokens were routed.
 DEFAULT_ESTIMATE = False
 
 # How the question's tokens read the document (patch 0009): "dense" sends them as one batch that

@@ -1,7 +1,8 @@
 """Accuracy outside the window, total reduction and the answer steps' reduction per route, from
 results.jsonl files of `kvlocal eval --question-pass dense`, and how often a route gives the answer
 full attention gives on the same fact (paired: where full itself is often wrong, as at 32k, this
-says more than accuracy). Rows that record the question's read
+says more than accuracy), the MiB one answer step reads (K/V rows and metadata apart) and the median
+decode rate the eval rows recorded (short answers, not `kvlocal bench`). Rows that record the question's read
 (question_bytes_read/dense) use it; older rows take one dense read (bytes_dense / steps) as the
 question's, which is what a dense question batch reads.
 
@@ -10,7 +11,7 @@ question's, which is what a dense question batch reads.
 import json
 import sys
 from collections import defaultdict
-from statistics import mean
+from statistics import mean, median
 
 from kvlocal.evals.report import _outside_window, question_pass, wilson_interval
 
@@ -35,6 +36,17 @@ def answer_reduction(r):
     return (r["bytes_dense"] - q_dense) / read if read > 0 else 1.0
 
 
+def step_mib(rows):
+    """Mean MiB one answer step reads: K/V rows + metadata (centroids, memory, estimate). Only rows of a
+    dense question, whose one batch read no metadata and is recorded apart."""
+    dense_q = [r for r in rows if question_pass(r) == "dense" and "question_bytes_read" in r and r["steps"] > 1]
+    if not dense_q:
+        return "–"
+    kv = mean((r["bytes_read"] - r["bytes_meta"] - r["question_bytes_read"]) / (r["steps"] - 1) for r in dense_q)
+    meta = mean(r["bytes_meta"] / (r["steps"] - 1) for r in dense_q)
+    return f"{kv / 2**20:.1f} + {meta / 2**20:.1f}"
+
+
 def same_as_full(rows):
     paired = [r["answer"].strip() == full_answer[key] for r in rows
               if (key := (r["length"], r["seed"], r["depth"], question_pass(r))) in full_answer]
@@ -46,12 +58,13 @@ def same_as_full(rows):
 
 
 print("| length | route | question | acc. outside window [95 % CI] (n) | same answer as full, outside window (n) "
-      "| total reduction | answer steps' reduction |")
-print("|---:|---|---|---:|---:|---:|---:|")
+      "| total reduction | answer steps' reduction | MiB per answer step: K/V + metadata | decode tok/s (median) |")
+print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
 for (length, mode, k, shortlist, est, q), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
     far = [r for r in rows if _outside_window(r)]
     acc = mean(r["score"] for r in far)
     lo, hi = wilson_interval(acc, len(far))
     route = "full" if mode == "full" else f"{mode} top-{k}, shortlist {shortlist}{'' if est else ', no estimate'}"
     print(f"| {length:,} | {route} | {q} | {acc:.0%} [{lo * 100:.0f}–{hi * 100:.0f}] ({len(far)}) | {same_as_full(far)} | "
-          f"{mean(r['reduction'] for r in rows):.1f}x | {mean(answer_reduction(r) for r in rows):.1f}x |")
+          f"{mean(r['reduction'] for r in rows):.1f}x | {mean(answer_reduction(r) for r in rows):.1f}x | "
+          f"{step_mib(rows)} | {median(r['decode_tps'] for r in rows):.1f} |")
