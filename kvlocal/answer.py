@@ -94,20 +94,15 @@ class Answer(Iterator[AnswerPiece]):
     def __init__(self, pieces: Generator[AnswerPiece, None, AnswerSummary]) -> None:
         self._pieces = pieces
         self._summary: AnswerSummary | None = None
-        self._closed = False
 
     def __next__(self) -> AnswerPiece:
-        if self._summary is not None or self._closed:
-            raise StopIteration
         try:
             return next(self._pieces)
-        except StopIteration as end:
-            self._summary = end.value
+        except StopIteration as end:  # a closed or exhausted generator: its value, or None once closed
+            self._summary = self._summary or end.value
             raise StopIteration from None
 
     def close(self) -> None:
-        if self._summary is None:
-            self._closed = True
         self._pieces.close()
 
     def summary(self) -> AnswerSummary:
