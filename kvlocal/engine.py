@@ -109,7 +109,7 @@ def require_patched() -> EngineInfo:
 
 
 class RouteStatsC(ctypes.Structure):
-    """Mirror of struct llama_kv_route_stats (include/llama.h, patch 0004)."""
+    """Mirror of struct llama_kv_route_stats (include/llama.h, patch 0005)."""
 
     _fields_ = [
         ("mode", ctypes.c_int32),

@@ -13,6 +13,9 @@ PATCHES_DIR = ROOT / "patches"
 PIN_FILE = ROOT / "vendor" / "PIN"
 # the header trailer of a patch that changes no byte prefill writes into the K/V cache
 PREFILL_KV_UNCHANGED = "Prefill-KV: unchanged"
+# the header trailer of a patch to llama-cpp-python's Python files rather than to llama.cpp
+APPLIES_TO_BINDINGS = "Applies-To: llama-cpp-python"
+LLAMA_CPP_DIR = "vendor/llama.cpp"  # where llama.cpp sits in the llama-cpp-python sdist
 _FIRST_DIFF = re.compile(r"^diff --git ", re.M)
 
 
@@ -40,6 +43,14 @@ def patch_header(patch: Path) -> str:
     text = patch.read_text()
     first_diff = _FIRST_DIFF.search(text)
     return text[: first_diff.start()] if first_diff else ""
+
+
+def patch_root(patch: Path) -> str:
+    """The folder of the unpacked sdist that the patch's paths are relative to: the llama.cpp tree
+    (vendor/llama.cpp), or the package root for a patch of llama-cpp-python's own Python bindings
+    (its header carries the `Applies-To: llama-cpp-python` trailer line)."""
+    lines = (line.strip() for line in patch_header(patch).splitlines())
+    return "." if APPLIES_TO_BINDINGS in lines else LLAMA_CPP_DIR
 
 
 def keeps_prefill_kv(patch: Path) -> bool:

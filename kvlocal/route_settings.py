@@ -22,11 +22,12 @@ DEFAULT_WINDOW = 128  # recent tokens always read (rounded up to regions)
 DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
 
 # The KV cache keeps one mean key per block of this many cells (per layer and KV head); a region's
-# score is its best block. Fixed when a context is created (patch 0003).
+# score is its best block. Fixed when a context is created (llama_context_params.kv_centroid_block,
+# patch 0003).
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 4
 
-# Two-level scoring (patch 0006): with a centroid block finer than 64 cells (the engine's
+# Two-level scoring (patch 0007): with a centroid block finer than 64 cells (the engine's
 # LLAMA_KV_CENT_COARSE_BLK) the cache also keeps one coarse centroid per 64 cells (the mean of its
 # fine ones); a step scores the coarse ones, shortlists this many regions and ranks only those by
 # their fine centroids. 0: one pass over every fine centroid. 16 (was 32): top-4 / shortlist 16
@@ -38,7 +39,7 @@ DEFAULT_SHORTLIST = 16
 # max(its share now, KEEP x what it had the step before). 0 selects afresh at every step.
 DEFAULT_KEEP = 0.9
 
-# The estimate of the unread regions (patch 0008): every region a step does not read joins its
+# The estimate of the unread regions (patch 0007): every region a step does not read joins its
 # attention as its mean key and mean value, weighted by its cell count, so the softmax keeps the
 # mass routing would drop. Needs 64-token regions and a centroid block under 64. Off by default since
 # the question is read densely: top-4 / shortlist 16 without it answered as many look-alike facts as
@@ -46,7 +47,7 @@ DEFAULT_KEEP = 0.9
 # 29.2 MiB a step read with it). It had helped while the question's own tokens were routed.
 DEFAULT_ESTIMATE = False
 
-# How the question's tokens read the document (patch 0009): "dense" sends them as one batch that
+# How the question's tokens read the document (patch 0007): "dense" sends them as one batch that
 # reads the whole cache once; "routed" as one batch whose queries choose QUESTION_TOP_K regions
 # together, read once for the whole question; "steps" decodes them one by one through the route,
 # as the answer is. The answer is always decoded step by step through the route. Dense is the

@@ -1,4 +1,4 @@
-"""Routing settings and per-step KV read statistics, on top of the engine's C API (patch 0004)."""
+"""Routing settings and per-step KV read statistics, on top of the engine's C API (patch 0005)."""
 
 from __future__ import annotations
 
@@ -42,13 +42,10 @@ class RouteMode(IntEnum):
 
 MODE_NAMES = {mode.name.lower(): mode for mode in RouteMode}
 
-# the engine reads the centroid block from the environment when a context is created (patch 0003)
-CENTROID_BLOCK_ENV = "LLAMA_KV_CENTROID_BLOCK"
-
 FALLBACK_REASONS = {
     0: "",
     1: "dense mode",
-    2: "the KV cache keeps no region centroids (several sequences, MLA, or LLAMA_KV_CENTROID_BLOCK=0)",
+    2: "the KV cache keeps no region centroids (several sequences, MLA, or a centroid block of 0)",
     3: "the V cache is transposed (flash attention is off)",
     4: "the model uses ALiBi, learned sinks, a KQ bias or logit soft-capping",
     5: "the model's attention does not use the standard KV cache (e.g. recurrent or hybrid memory)",

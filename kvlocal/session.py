@@ -28,7 +28,7 @@ from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
 from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK
 from kvlocal.routing import (
-    CENTROID_BLOCK_ENV, ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
+    ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
 )
 
 KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
@@ -116,9 +116,6 @@ class Session:
     def _new_llama(self, *, vocab_only: bool = False, n_ctx: int = 512):
         module = llama_cpp()
         gpu = bool(module.llama_supports_gpu_offload())
-        # the KV cache reads its centroid block size when it is created (patch 0003)
-        saved = os.environ.get(CENTROID_BLOCK_ENV)
-        os.environ[CENTROID_BLOCK_ENV] = str(self.centroid_block)
         try:
             return module.Llama(
                 model_path=str(self.model.path),
@@ -132,15 +129,11 @@ class Session:
                 flash_attn=True,  # routed decoding needs the non-transposed V cache
                 type_k=KV_TYPES[self.kv_type],
                 type_v=KV_TYPES[self.kv_type],
+                kv_centroid_block=self.centroid_block,  # fixed for the context's KV cache (patch 0003)
                 verbose=False,
             )
         except (ValueError, RuntimeError) as err:
             raise EngineError(f"llama.cpp could not load {self.model.path.name}: {err}") from None
-        finally:
-            if saved is None:
-                os.environ.pop(CENTROID_BLOCK_ENV, None)
-            else:
-                os.environ[CENTROID_BLOCK_ENV] = saved
 
     @property
     def ctx(self) -> ctypes.c_void_p:

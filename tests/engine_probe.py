@@ -33,7 +33,8 @@ class GraphRecorder:
 class RawContext:
     """A model + context made with the C API directly, so that cb_eval can be set."""
 
-    def __init__(self, model_path: Path, n_ctx: int = 2048, kv_type: int = 1, recorder: GraphRecorder | None = None):
+    def __init__(self, model_path: Path, n_ctx: int = 2048, kv_type: int = 1, recorder: GraphRecorder | None = None,
+                 centroid_block: int | None = None):
         m = llama_cpp()
         mparams = m.llama_model_default_params()
         self.model = m.llama_model_load_from_file(str(model_path).encode(), mparams)
@@ -47,11 +48,15 @@ class RawContext:
         cparams.flash_attn_type = m.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cparams.type_k = kv_type
         cparams.type_v = kv_type
+        if centroid_block is not None:
+            cparams.kv_centroid_block = centroid_block
         if recorder is not None:
             cparams.cb_eval = recorder.callback
             cparams.cb_eval_user_data = None
         self.ctx = m.llama_init_from_model(self.model, cparams)
-        assert self.ctx
+        if not self.ctx:
+            m.llama_model_free(self.model)
+            raise RuntimeError("llama_init_from_model refused the context parameters")
         self.n_past = 0
         self.vocab = m.llama_model_get_vocab(self.model)
         self.n_vocab = m.llama_vocab_n_tokens(self.vocab)

@@ -86,26 +86,73 @@ def test_the_trailer_counts_only_as_a_header_line(tmp_path, text, marked):
     assert keeps_prefill_kv(patch) is marked
 
 
-def test_every_repository_patch_has_a_subject_header():
+def test_every_repository_patch_is_a_format_patch_with_a_subject_and_a_rationale():
     for patch in patch_files():
         lines = patchset.patch_header(patch).splitlines()
-        assert len(lines) >= 3 and lines[0].startswith("Subject: ") and lines[1] == "", patch.name
+        assert lines[0].startswith("From ") and lines[1].startswith("From: "), patch.name
+        subject = next(i for i, line in enumerate(lines) if line.startswith("Subject: [PATCH] "))
+        body = subject + 1
+        while lines[body].startswith(" "):  # a folded subject
+            body += 1
+        assert lines[body] == "" and lines[body + 1].strip() and ":" not in lines[body + 1].split()[0], patch.name
+        assert "---" in lines and lines.index("---") > body + 2, patch.name
+
+
+def added_and_removed(patch: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """Per file the patch touches: the lines it adds and the lines it removes."""
+    out: dict[str, tuple[list[str], list[str]]] = {}
+    current = None
+    for line in patch.read_text().split("\n")[len(patchset.patch_header(patch).split("\n")) - 1:]:
+        if line.startswith("diff --git "):
+            current = out.setdefault(line.split(" b/", 1)[1], ([], []))
+        elif current is None or line.startswith(("--- ", "+++ ")):
+            continue
+        elif line.startswith("+"):
+            current[0].append(line[1:])
+        elif line.startswith("-"):
+            current[1].append(line[1:])
+    return out
+
+
+def test_no_patch_removes_a_line_that_an_earlier_patch_added():
+    """Each patch adds its concern in its final shape: a later one may extend an earlier one's code,
+    not rewrite it (lines too plain to tell apart, such as a lone brace, are not compared)."""
+    added: dict[str, set[str]] = {}
+    for patch in patch_files():
+        for path, (plus, minus) in added_and_removed(patch).items():
+            rewritten = [line for line in minus if len(line.strip()) > 3 and line in added.get(path, set())]
+            assert not rewritten, f"{patch.name} removes lines an earlier patch added to {path}: {rewritten[:3]}"
+        for path, (plus, _) in added_and_removed(patch).items():
+            added.setdefault(path, set()).update(plus)
 
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="needs the patch tool")
-def test_the_build_applies_and_reverts_a_patch_with_a_header(tmp_path):
+def test_the_build_applies_and_reverts_a_patch_with_a_header_in_its_root(tmp_path):
+    """A patch of llama.cpp applies in the sdist's vendor/llama.cpp, one with the bindings trailer
+    in the package root (llama-cpp-python's own Python files)."""
     spec = importlib.util.spec_from_file_location("build_engine", ROOT / "vendor" / "build_engine.py")
     build_engine = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build_engine)
-    tree = tmp_path / "llama.cpp"
-    (tree / "src").mkdir(parents=True)
-    (tree / "src" / "x.cpp").write_text("int x;\n")
-    patch = tmp_path / "0001-x.patch"
-    patch.write_text(header("adds y", "Prefill-KV: unchanged") + DIFF)
-    for extra, after in [(["--dry-run"], "int x;\n"), ([], "int x;\nint y;\n"), (["--reverse"], "int x;\n")]:
-        done = build_engine.run_patch(tree, patch, *extra)
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert (tree / "src" / "x.cpp").read_text() == after
+    tree = tmp_path / "sdist"
+    (tree / "vendor" / "llama.cpp" / "src").mkdir(parents=True)
+    (tree / "vendor" / "llama.cpp" / "src" / "x.cpp").write_text("int x;\n")
+    (tree / "llama_cpp").mkdir()
+    (tree / "llama_cpp" / "x.py").write_text("x = 1\n")
+    engine_patch = tmp_path / "0001-x.patch"
+    engine_patch.write_text(header("adds y", "Prefill-KV: unchanged") + DIFF)
+    bindings_patch = tmp_path / "0002-x.patch"
+    bindings_patch.write_text(header("adds y to the bindings", "Applies-To: llama-cpp-python")
+                              + DIFF.replace("src/x.cpp", "llama_cpp/x.py").replace("int x;", "x = 1").replace("int y;", "y = 2"))
+    assert (patchset.patch_root(engine_patch), patchset.patch_root(bindings_patch)) == ("vendor/llama.cpp", ".")
+    for patch, path, before, after in [
+        (engine_patch, tree / "vendor" / "llama.cpp" / "src" / "x.cpp", "int x;\n", "int x;\nint y;\n"),
+        (bindings_patch, tree / "llama_cpp" / "x.py", "x = 1\n", "x = 1\ny = 2\n"),
+    ]:
+        for extra, want in [(["--dry-run"], before), ([], after), (["--reverse"], before)]:
+            done = build_engine.run_patch(tree, patch, *extra)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert path.read_text() == want
+    assert build_engine.patched_paths([engine_patch, bindings_patch]) == {"vendor/llama.cpp/src/x.cpp", "llama_cpp/x.py"}
 
 
 def _session(engine: EngineInfo) -> SimpleNamespace:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.engine
 from engine_probe import GraphRecorder, RawContext  # noqa: E402
 from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2  # noqa: E402
 
-from kvlocal.engine import engine_info, llama_cpp  # noqa: E402
+from kvlocal.engine import engine_info, llama_cpp, route_api  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
 
@@ -243,6 +243,21 @@ def test_invalid_route_settings_are_usage_errors(tiny_model):
         raw.close()
 
 
+def test_centroid_block_is_a_context_parameter(tiny_model):
+    """llama_context_params.kv_centroid_block sets the cache's block (16 by default, 0 for none);
+    a value that is not a power of two up to 256 makes context creation fail."""
+    api = route_api()
+    for block, want in ((None, 16), (8, 8), (0, 0)):
+        raw = RawContext(tiny_model, n_ctx=2048, centroid_block=block)
+        try:
+            assert api.llama_kv_route_cent_blk(raw.ctx) == want
+        finally:
+            raw.close()
+    for bad in (48, 512, -4):
+        with pytest.raises(RuntimeError, match="refused"):
+            RawContext(tiny_model, n_ctx=2048, centroid_block=bad)
+
+
 def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch):
     """A coarser centroid block scans fewer centroid bytes; a state saved under another block is
     restored with its centroids rebuilt for the new one (they are not part of the state)."""
@@ -359,7 +374,7 @@ def test_a_full_shortlist_selects_what_one_pass_selects(tiny_model):
         np.testing.assert_allclose(la, lb, rtol=0, atol=1e-5)
 
 
-def test_a_tight_shortlist_follows_the_coarse_centroids(tiny_model, monkeypatch):
+def test_a_tight_shortlist_follows_the_coarse_centroids(tiny_model):
     """With a shortlist of k, the coarse centroids alone choose the regions: the same regions as one
     pass over centroids of 64 cells (the coarse centroid is the mean of its fine ones, which is the
     64-cell mean when every cell is filled)."""
@@ -370,8 +385,7 @@ def test_a_tight_shortlist_follows_the_coarse_centroids(tiny_model, monkeypatch)
         two = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=3, keep=0))
     finally:
         raw.close()
-    monkeypatch.setenv("LLAMA_KV_CENTROID_BLOCK", "64")
-    raw = RawContext(tiny_model, n_ctx=2048)
+    raw = RawContext(tiny_model, n_ctx=2048, centroid_block=64)
     try:
         raw.decode(doc_tokens(N_DOC))
         coarse = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0, keep=0))
@@ -451,7 +465,7 @@ def test_selection_memory_lasts_through_the_sessions_steps(tiny_model, tmp_path,
     assert any(not np.array_equal(a, b) for a, b in zip(kept, fresh)), "the memory never changed a choice"
 
 
-# -- a ubatch of several tokens (the question read at once, patch 0009) --------------------------------
+# -- a ubatch of several tokens (the question read at once, patch 0007) --------------------------------
 
 
 def decode_batch(raw: RawContext, n_prefix: int, tokens: list[int], route: RouteConfig, batch_top_k: int):

@@ -6,6 +6,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
+from kvlocal.engine import route_api  # noqa: E402
 from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
 from kvlocal.session import AnswerPiece, Session  # noqa: E402
 
@@ -40,6 +41,8 @@ def test_two_sessions_in_one_process_do_not_disturb_each_other(cache, tiny_model
     try:
         a.load_document(TEXT_A, use_cache=False)
         b.load_document(TEXT_B, use_cache=False)
+        # each context's KV cache keeps the block its session asked for (a context parameter)
+        assert [route_api().llama_kv_route_cent_blk(s.ctx) for s in (a, b)] == [16, 4]
         assert answer(a, "which value?") == want_a
         assert answer(b, "how many apples?") == want_b
         assert answer(a, "which value?") == want_a  # after b's steps, a still routes over its own cache

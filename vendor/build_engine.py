@@ -5,7 +5,8 @@ Steps (each one loud on failure):
   1. download the pinned sdist from the package registry (pip download), unless cached;
   2. verify its size and sha256 against vendor/PIN;
   3. unpack it under vendor/src/ (git-ignored) once;
-  4. apply patches/*.patch in order to the vendored llama.cpp; a changed patch series is
+  4. apply patches/*.patch in order to the vendored llama.cpp (a patch with the trailer
+     `Applies-To: llama-cpp-python` to the package's own Python files); a changed patch series is
      first reverse-applied, so the tree and the persistent build directory stay incremental;
   5. pip-install the patched package into the current environment with a persistent
      CMake build directory (vendor/build/<backend>), so a rebuild after a patch edit only
@@ -50,7 +51,7 @@ def read_pin() -> dict[str, str]:
 
 
 sys.path.insert(0, str(ROOT))
-from kvlocal.patchset import patch_files, patchset_id  # noqa: E402  (stdlib only)
+from kvlocal.patchset import patch_files, patch_root, patchset_id  # noqa: E402  (stdlib only)
 
 
 def say(msg: str) -> None:
@@ -177,15 +178,15 @@ def pack_unpack(pack: Path) -> tuple[Path, str]:
     return tree, want
 
 
-def run_patch(llama_dir: Path, patch: Path, *extra: str) -> subprocess.CompletedProcess:
+def run_patch(tree: Path, patch: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Apply (or with --reverse, revert) one patch in its root: llama.cpp, or the bindings' package."""
     return subprocess.run(
         ["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-r", "-", "-s", *extra, "-i", str(patch)],
-        cwd=llama_dir, capture_output=True, text=True,
+        cwd=tree / patch_root(patch), capture_output=True, text=True,
     )
 
 
 def apply_patches(tree: Path) -> str:
-    llama_dir = tree / "vendor" / "llama.cpp"
     applied_dir = tree / ".kvlocal-applied"
     patches = patch_files()
     wanted = [(p.name, p.read_bytes()) for p in patches]
@@ -196,10 +197,10 @@ def apply_patches(tree: Path) -> str:
     common = 0
     while common < min(len(wanted), len(have)) and wanted[common] == have[common]:
         common += 1
-    before = file_stamps(llama_dir, applied[common:] + patches[common:])
+    before = file_stamps(tree, applied[common:] + patches[common:])
     for path in reversed(applied[common:]):
         say(f"reverting {path.name}")
-        res = run_patch(llama_dir, path, "--reverse")
+        res = run_patch(tree, path, "--reverse")
         if res.returncode != 0:
             die(f"could not revert {path.name}:\n{res.stdout}{res.stderr}\n"
                 f"remove {tree} to start from a clean sdist")
@@ -207,43 +208,44 @@ def apply_patches(tree: Path) -> str:
     applied_dir.mkdir(exist_ok=True)
     for path in patches[common:]:
         say(f"applying {path.name}")
-        dry = run_patch(llama_dir, path, "--dry-run")
+        dry = run_patch(tree, path, "--dry-run")
         if dry.returncode != 0:
             die(f"{path.name} does not apply to llama.cpp {tree.name}:\n{dry.stdout}{dry.stderr}")
-        res = run_patch(llama_dir, path)
+        res = run_patch(tree, path)
         if res.returncode != 0:
             die(f"{path.name} failed to apply:\n{res.stdout}{res.stderr}")
         shutil.copyfile(path, applied_dir / path.name)
-    restore_unchanged_mtimes(llama_dir, before)
+    restore_unchanged_mtimes(tree, before)
     return patchset_id(patches)
 
 
 def patched_paths(patches: list[Path]) -> set[str]:
-    """The files (relative to llama.cpp) that the patches touch."""
+    """The files (relative to the unpacked sdist) that the patches touch."""
     found = set()
     for patch in patches:
+        root = Path(patch_root(patch))
         for line in patch.read_text(errors="replace").splitlines():
             if line.startswith(("--- a/", "+++ b/")):
-                found.add(line[6:].split("\t")[0])
+                found.add((root / line[6:].split("\t")[0]).as_posix())
     return found
 
 
-def file_stamps(llama_dir: Path, patches: list[Path]) -> dict[str, tuple[int, str]]:
+def file_stamps(tree: Path, patches: list[Path]) -> dict[str, tuple[int, str]]:
     """(mtime, sha256) of every existing file the patches touch."""
     stamps = {}
     for rel in patched_paths(patches):
-        path = llama_dir / rel
+        path = tree / rel
         if path.is_file():
             stamps[rel] = (path.stat().st_mtime_ns, sha256_file(path))
     return stamps
 
 
-def restore_unchanged_mtimes(llama_dir: Path, before: dict[str, tuple[int, str]]) -> None:
+def restore_unchanged_mtimes(tree: Path, before: dict[str, tuple[int, str]]) -> None:
     """A file that reverting and re-applying left with the same bytes gets its old mtime back, so the
     persistent build directory recompiles only what really changed (a patch's header, or a later
     patch of the series, no longer rebuilds everything the series touches)."""
     for rel, (mtime_ns, digest) in before.items():
-        path = llama_dir / rel
+        path = tree / rel
         if path.is_file() and sha256_file(path) == digest:
             os.utime(path, ns=(mtime_ns, mtime_ns))
 

@@ -34,7 +34,7 @@ def block(row: dict) -> int:
 
 def question_pass(row: dict) -> str:
     """How the row's question read the document: 'steps' (token by token through the route, as every
-    row before patch 0009), 'dense' (one dense batch) or 'q<k>' (one batch routed to k regions)."""
+    row before the routed ubatch), 'dense' (one dense batch) or 'q<k>' (one batch routed to k regions)."""
     question = row.get("question", "steps")
     return f"q{row.get('question_top_k', 0)}" if question == "routed" else question
 
