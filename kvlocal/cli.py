@@ -33,6 +33,7 @@ from kvlocal.route_settings import (
     MAX_TOP_K,
     MAX_WINDOW,
     MIN_CTX,
+    SHORTLIST_AUTO,
 )
 
 app = typer.Typer(
@@ -102,10 +103,29 @@ CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", min=0, max=max(CENTROID_BLOCKS),
     help="Tokens per key centroid (4-256); a region is scored from region/block centroids, "
     "so a larger block reads fewer centroid bytes. 0 keeps no centroids: every step is dense.")]
+
+
+def _shortlist_value(text: str) -> int:
+    """--shortlist: a number of regions, or auto (SHORTLIST_AUTO)."""
+    if isinstance(text, int):  # the default
+        return text
+    if text.strip().lower() == "auto":
+        return SHORTLIST_AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is neither a number of regions nor auto") from None
+    if not 0 <= value <= MAX_SHORTLIST:
+        raise typer.BadParameter(f"{value} is not between 0 and {MAX_SHORTLIST:,}")
+    return value
+
+
 ShortlistOpt = Annotated[int, typer.Option(
-    "--shortlist", min=0, max=MAX_SHORTLIST, help="Two-level scoring: one coarse centroid per 64 tokens shortlists this many regions, "
+    "--shortlist", parser=_shortlist_value, metavar="N|auto",
+    show_default="auto" if SHORTLIST == SHORTLIST_AUTO else str(SHORTLIST),
+    help="Two-level scoring: one coarse centroid per 64 tokens shortlists this many regions, "
     "and only their fine centroids (--centroid-block) are scanned to choose --top-k of them; 0 scans every fine "
-    "centroid. Needs a centroid block under 64.")]
+    "centroid; auto shortlists an eighth of the document's regions, rounded up to 16. Needs a centroid block under 64.")]
 KeepOpt = Annotated[float, typer.Option(
     "--keep", min=0.0, max=0.999, help="Selection memory over the steps of one answer: a region keeps this share of "
     "what it scored on the step before, so a region the question found stays read while the answer is copied from "

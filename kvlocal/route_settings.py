@@ -7,15 +7,15 @@ and TUI all read these names.
 
 from __future__ import annotations
 
+import math
+
 # routing modes: geometric is kvlocal's routing, full the dense reference, window and random the controls
 MODES = ("full", "geometric", "window", "random")
 DEFAULT_MODE = "geometric"
 
-# regions routed per layer and KV head. 4 (with a shortlist of 16 and no estimate, below): with the
-# dense question it answers the look-alike facts as often as full attention at 8k, 16k and 32k
-# (88 %, 69 %, 29 % of 24 / 16 / 24 facts) with the answer's steps reading 11.4x / 22.1x / 37.6x
-# fewer bytes than dense; top-2 lost 2 of 16 facts at 16k (no estimate) and 4 of 24 at 32k (with it)
-# (BENCHMARKS.md, "Session 2026-12-01 (3)")
+# regions routed per layer and KV head. 4: top-2 lost 2 of 16 look-alike facts at 16k (no estimate)
+# and 4 of 24 at 32k (with it); top-8 and top-16 answered no more than top-4 (BENCHMARKS.md,
+# "Session 2026-12-01 (3)" and "(4)")
 DEFAULT_TOP_K = 4
 DEFAULT_REGION = 64  # tokens per region (the unit gathered)
 DEFAULT_WINDOW = 128  # recent tokens always read (rounded up to regions)
@@ -23,17 +23,29 @@ DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
 
 # The KV cache keeps one mean key per block of this many cells (per layer and KV head); a region's
 # score is its best block. Fixed when a context is created (llama_context_params.kv_centroid_block,
-# patch 0003).
+# patch 0003). 8 (was 4) with the automatic shortlist below: half the fine centroid bytes for the
+# same look-alike facts at 16k and 32k, one fewer of 24 at 8k (BENCHMARKS.md, "Session 2026-12-01 (4)").
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
-DEFAULT_CENTROID_BLOCK = 4
+DEFAULT_CENTROID_BLOCK = 8
 
 # Two-level scoring (patch 0007): with a centroid block finer than 64 cells (the engine's
 # LLAMA_KV_CENT_COARSE_BLK) the cache also keeps one coarse centroid per 64 cells (the mean of its
 # fine ones); a step scores the coarse ones, shortlists this many regions and ranks only those by
-# their fine centroids. 0: one pass over every fine centroid. 16 (was 32): top-4 / shortlist 16
-# without the estimate answered as full attention did at 8k, 16k and 32k, scanning half the fine
-# centroids that a shortlist of 32 does.
-DEFAULT_SHORTLIST = 16
+# their fine centroids. 0: one pass over every fine centroid. SHORTLIST_AUTO follows the document:
+# an eighth of its regions, rounded up to a multiple of 16 (16 at 8k, 32 at 16k, 64 at 32k). The
+# default since a 32k passkey grid lost its needles in the coarse pass with a fixed 16: one haystack,
+# 9 needles outside the window, full 5, shortlist 16 2 (top-4, -8 or -16 alike), 32 4, 64 5
+# (BENCHMARKS.md, "Session 2026-12-01 (4)").
+SHORTLIST_AUTO = -1
+SHORTLIST_SHARE = 8
+SHORTLIST_STEP = 16
+DEFAULT_SHORTLIST = SHORTLIST_AUTO
+
+
+def auto_shortlist(n_regions: int) -> int:
+    """The shortlist SHORTLIST_AUTO means for a document of `n_regions` regions."""
+    return SHORTLIST_STEP * max(1, math.ceil(n_regions / (SHORTLIST_SHARE * SHORTLIST_STEP)))
+
 
 # Selection memory (patch 0007): a step's region scores become a softmax and a region keeps
 # max(its share now, KEEP x what it had the step before). 0 selects afresh at every step.

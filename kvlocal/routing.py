@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import numpy as np
 
-from kvlocal.engine import RouteStatsC, route_api
+from kvlocal.engine import RouteStatsC, llama_cpp, route_api
 from kvlocal.errors import UsageError
 from kvlocal.route_settings import (
     CENTROID_BLOCKS,
@@ -20,6 +20,8 @@ from kvlocal.route_settings import (
     DEFAULT_QUESTION_TOP_K,
     DEFAULT_REGION,
     DEFAULT_SHORTLIST,
+    SHORTLIST_AUTO,
+    auto_shortlist,
     DEFAULT_SINKS,
     DEFAULT_TOP_K,
     DEFAULT_WINDOW,
@@ -80,7 +82,7 @@ class RouteConfig:
     window: int = DEFAULT_WINDOW
     sinks: int = DEFAULT_SINKS
     seed: int = 0
-    shortlist: int = DEFAULT_SHORTLIST  # regions the coarse centroids shortlist for the fine ones (0: one level)
+    shortlist: int = DEFAULT_SHORTLIST  # regions the coarse pass shortlists (0: one level; SHORTLIST_AUTO: by document)
     keep: float = DEFAULT_KEEP  # selection memory: decay per step of a region's remembered share (0: none)
     estimate: bool = DEFAULT_ESTIMATE  # unread regions join the attention as their mean key and value
     question: str = DEFAULT_QUESTION  # how the question's tokens read the document: routed, dense or steps
@@ -101,10 +103,12 @@ class RouteConfig:
             ("question_top_k", "the regions a routed question reads", self.question_top_k, MAX_TOP_K),
             ("window", "the window", self.window, MAX_WINDOW),
             ("sinks", "the sink tokens", self.sinks, MAX_SINKS),
-            ("shortlist", "the shortlist", self.shortlist, MAX_SHORTLIST),
         ):
             if not 0 <= value <= top:
                 raise UsageError(f"{words} must be between 0 and {top:,} (got {value})", setting=setting)
+        if not (self.shortlist == SHORTLIST_AUTO or 0 <= self.shortlist <= MAX_SHORTLIST):
+            raise UsageError(f"the shortlist must be between 0 and {MAX_SHORTLIST:,}, or auto (got {self.shortlist})",
+                             setting="shortlist")
         if not (math.isfinite(self.keep) and 0 <= self.keep < 1):
             raise UsageError(f"the selection memory's keep must be at least 0 and below 1 (got {self.keep})",
                              setting="keep")
@@ -120,12 +124,24 @@ class RouteConfig:
         """Regions a batch of question tokens routes to (0: the batch reads densely)."""
         return self.question_top_k if self.question == "routed" else 0
 
+    def for_document(self, n_tokens: int) -> RouteConfig:
+        """These settings with an automatic shortlist resolved for a document of `n_tokens` tokens."""
+        if self.shortlist != SHORTLIST_AUTO:
+            return self
+        return replace(self, shortlist=auto_shortlist(-(-n_tokens // self.region)))
+
     def apply(self, ctx: ctypes.c_void_p, *, batch_top_k: int = 0) -> None:
         """Set the context's routing. A batch of several tokens routes to `batch_top_k` regions, or
-        reads densely with 0 (the default, so a document's prefill stays dense)."""
+        reads densely with 0 (the default, so a document's prefill stays dense). An automatic
+        shortlist follows what the context holds now (Session resolves it once per answer)."""
+        shortlist = self.shortlist
+        if shortlist == SHORTLIST_AUTO:
+            module = llama_cpp()
+            n_tokens = module.llama_memory_seq_pos_max(module.llama_get_memory(ctx), 0) + 1
+            shortlist = self.for_document(max(0, n_tokens)).shortlist
         rc = route_api().llama_kv_route_set(
             ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF,
-            self.shortlist, self.keep, int(self.estimate), batch_top_k,
+            shortlist, self.keep, int(self.estimate), batch_top_k,
         )
         if rc != 0:
             blk = route_api().llama_kv_route_cent_blk(ctx)
@@ -135,7 +151,9 @@ class RouteConfig:
         if self.route_mode == RouteMode.FULL:
             return "full (dense attention)"
         text = f"{self.mode}: top-{self.top_k} regions of {self.region} tokens + {self.sinks} sink + {self.window} window tokens"
-        if self.route_mode == RouteMode.GEOMETRIC and self.shortlist:
+        if self.route_mode == RouteMode.GEOMETRIC and self.shortlist == SHORTLIST_AUTO:
+            text += ", shortlist by document"
+        elif self.route_mode == RouteMode.GEOMETRIC and self.shortlist:
             text += f", shortlist {self.shortlist}"
         if self.route_mode == RouteMode.GEOMETRIC and self.keep:
             text += f", keep {self.keep:g}"

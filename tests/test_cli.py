@@ -355,3 +355,5 @@ def test_route_settings_reach_the_engine_call(tiny_model, doc):
     result = ask(doc, tiny_model, "--shortlist", "4", "--keep", "0.5")
     assert result.exit_code == 0, result.stderr
     assert "shortlist 4, keep 0.5" in result.stderr
+    result = ask(doc, tiny_model, "--shortlist", "auto")
+    assert result.exit_code == 0, result.stderr

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from kvlocal import cli, route_settings
@@ -161,7 +162,8 @@ def test_route_config_refuses_what_the_cli_refuses():
     for field, top in (("top_k", rs.MAX_TOP_K), ("window", rs.MAX_WINDOW), ("sinks", rs.MAX_SINKS),
                        ("shortlist", rs.MAX_SHORTLIST), ("seed", rs.MAX_SEED)):
         wrapping = (2**31, 2**32 - 256) if field != "seed" else ()  # wrap in an int32
-        for value in (top + 1, 10**20, -1, *wrapping):
+        below = -2 if field == "shortlist" else -1  # -1 is SHORTLIST_AUTO
+        for value in (top + 1, 10**20, below, *wrapping):
             refused(field, RouteConfig, **{field: value})
     for region in (0, 48, 512, 2**32):
         refused("region", RouteConfig, region=region)
@@ -170,6 +172,31 @@ def test_route_config_refuses_what_the_cli_refuses():
     refused("region", check_region_block, 32, 64)
     check_region_block(64, 0)
     check_region_block(64, 16)
+
+
+def test_an_automatic_shortlist_follows_the_document():
+    """auto: an eighth of the document's regions, rounded up to a multiple of 16 (at least 16),
+    resolved once per answer from the document's length."""
+    from kvlocal.routing import RouteConfig
+
+    rs = route_settings
+    assert [rs.auto_shortlist(n) for n in (0, 1, 128, 129, 256, 482, 1024)] == [16, 16, 16, 32, 32, 64, 128]
+    auto = RouteConfig(shortlist=rs.SHORTLIST_AUTO)
+    assert [auto.for_document(n).shortlist for n in (6_967, 16_000, 30_836)] == [16, 32, 64]
+    assert RouteConfig(shortlist=rs.SHORTLIST_AUTO, region=32).for_document(16_000).shortlist == 64
+    fixed = RouteConfig(shortlist=24)
+    assert fixed.for_document(30_836) is fixed
+    assert "shortlist by document" in auto.describe() and "shortlist 64" in auto.for_document(30_836).describe()
+
+
+def test_shortlist_option_takes_a_number_or_auto():
+    from kvlocal.cli import _shortlist_value
+
+    assert _shortlist_value("auto") == _shortlist_value("AUTO") == route_settings.SHORTLIST_AUTO
+    assert _shortlist_value("0") == 0 and _shortlist_value("32") == 32
+    for bad in ("-1", "many", str(route_settings.MAX_SHORTLIST + 1)):
+        with pytest.raises(typer.BadParameter):
+            _shortlist_value(bad)
 
 
 def test_cli_bounds_are_route_settings():

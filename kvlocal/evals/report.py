@@ -11,6 +11,7 @@ from statistics import mean
 from kvlocal.atomic import write_text_atomic
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_QUESTION, DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST, MODES,
+    SHORTLIST_AUTO,
 )
 
 Z95 = 1.959964  # the standard normal quantile of a two-sided 95 % interval
@@ -57,7 +58,7 @@ def scoring_label(point: dict) -> str:
     q = point.get("question", "steps")
     if (b, s, k, e, q) == DEFAULT_SCORING:
         return ""
-    return f"/b{b}" + (f" s{s}" if s else "") + (f" keep {k:g}" if k else "") + (" est" if e else "") + f" {q}"
+    return f"/b{b}" + (" s auto" if s == SHORTLIST_AUTO else f" s{s}" if s else "") + (f" keep {k:g}" if k else "") + (" est" if e else "") + f" {q}"
 
 
 def wilson_interval(accuracy: float, n: int, z: float = Z95) -> list[float]:

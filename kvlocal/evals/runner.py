@@ -199,6 +199,7 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "haystack": haystack_name,
         **{k: v for k, v in asdict(route).items() if k != "seed"},
         "centroid_block": session.centroid_block,
+        "shortlist_used": summary.route.shortlist,  # an automatic shortlist as resolved for this document
         "max_tokens": max_tokens,
         "score": score(probe, summary.text),
         "answer": summary.text.strip(),
