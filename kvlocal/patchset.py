@@ -45,17 +45,20 @@ def patch_header(patch: Path) -> str:
     return text[: first_diff.start()] if first_diff else ""
 
 
+def _header_lines(patch: Path) -> list[str]:
+    return [line.strip() for line in patch_header(patch).splitlines()]
+
+
 def patch_root(patch: Path) -> str:
     """The folder of the unpacked sdist that the patch's paths are relative to: the llama.cpp tree
     (vendor/llama.cpp), or the package root for a patch of llama-cpp-python's own Python bindings
     (its header carries the `Applies-To: llama-cpp-python` trailer line)."""
-    lines = (line.strip() for line in patch_header(patch).splitlines())
-    return "." if APPLIES_TO_BINDINGS in lines else LLAMA_CPP_DIR
+    return "." if APPLIES_TO_BINDINGS in _header_lines(patch) else LLAMA_CPP_DIR
 
 
 def keeps_prefill_kv(patch: Path) -> bool:
     """The patch's header carries the `Prefill-KV: unchanged` trailer line."""
-    return PREFILL_KV_UNCHANGED in (line.strip() for line in patch_header(patch).splitlines())
+    return PREFILL_KV_UNCHANGED in _header_lines(patch)
 
 
 def kv_state_id(patches: list[Path], pin: Path = PIN_FILE) -> str:

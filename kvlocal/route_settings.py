@@ -14,8 +14,8 @@ MODES = ("full", "geometric", "window", "random")
 DEFAULT_MODE = "geometric"
 
 # regions routed per layer and KV head. 4: top-2 lost 2 of 16 look-alike facts at 16k (no estimate)
-# and 4 of 24 at 32k (with it); top-8 and top-16 answered no more than top-4 (BENCHMARKS.md,
-# "Session 2026-12-01 (3)" and "(4)")
+# and 4 of 24 at 32k (with it); top-8 answered no more than top-4 (32k look-alike facts, n=24: 25 %
+# both, shortlist 32 with the estimate) (BENCHMARKS.md, "Session 2026-12-01 (3)")
 DEFAULT_TOP_K = 4
 DEFAULT_REGION = 64  # tokens per region (the unit gathered)
 DEFAULT_WINDOW = 128  # recent tokens always read (rounded up to regions)
@@ -23,8 +23,9 @@ DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
 
 # The KV cache keeps one mean key per block of this many cells (per layer and KV head); a region's
 # score is its best block. Fixed when a context is created (llama_context_params.kv_centroid_block,
-# patch 0003). 8 (was 4) with the automatic shortlist below: half the fine centroid bytes for the
-# same look-alike facts at 16k and 32k, one fewer of 24 at 8k (BENCHMARKS.md, "Session 2026-12-01 (4)").
+# patch 0003). 8 (was 4) with the automatic shortlist below: half the fine centroid bytes; look-alike
+# facts 83 % (8k, n=24; 4-token: 88 %), 69 % (16k, n=16, as 4-token), 25 % (32k, n=24); the 32k passkey
+# grid 67 % with 4- or 8-token centroids at a shortlist of 64 (BENCHMARKS.md, "Session 2026-12-01 (4)").
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 8
 
@@ -33,9 +34,9 @@ DEFAULT_CENTROID_BLOCK = 8
 # fine ones); a step scores the coarse ones, shortlists this many regions and ranks only those by
 # their fine centroids. 0: one pass over every fine centroid. SHORTLIST_AUTO follows the document:
 # an eighth of its regions, rounded up to a multiple of 16 (16 at 8k, 32 at 16k, 64 at 32k). The
-# default since a 32k passkey grid lost its needles in the coarse pass with a fixed 16: one haystack,
-# 9 needles outside the window, full 5, shortlist 16 2 (top-4, -8 or -16 alike), 32 4, 64 5
-# (BENCHMARKS.md, "Session 2026-12-01 (4)").
+# default since the 32k passkey grid lost its needles in the coarse pass with a fixed 16: 3 haystacks,
+# 27 needles outside the window, full 74 % [55-87], shortlist 16 37 % [22-56], auto (64) with 8-token
+# centroids 67 % [48-81] (BENCHMARKS.md, "Session 2026-12-01 (4)").
 SHORTLIST_AUTO = -1
 SHORTLIST_SHARE = 8
 SHORTLIST_STEP = 16
@@ -55,8 +56,9 @@ DEFAULT_KEEP = 0.9
 # attention as its mean key and mean value, weighted by its cell count, so the softmax keeps the
 # mass routing would drop. Needs 64-token regions and a centroid block under 64. Off by default since
 # the question is read densely: top-4 / shortlist 16 without it answered as many look-alike facts as
-# full attention at 8k and 16k (88 %, 69 %) and more than with it at 32k (7 vs 5 of 24), and a step skips the mean values of every region (at 32k 6.7 of the
-# 29.2 MiB a step read with it). It had helped while the question's own tokens were routed.
+# full attention at 8k and 16k (88 %, 69 %) and more than with it at 32k (7 vs 5 of 24), and a step
+# skips the mean values of every region (at 32k 6.7 of the 29.2 MiB a step read with it). It had
+# helped while the question's own tokens were routed.
 DEFAULT_ESTIMATE = False
 
 # How the question's tokens read the document (patch 0007): "dense" sends them as one batch that

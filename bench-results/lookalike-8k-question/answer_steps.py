@@ -13,8 +13,8 @@ import sys
 from collections import defaultdict
 from statistics import mean, median
 
-from kvlocal.evals.report import _outside_window, question_pass, wilson_interval
-from kvlocal.route_settings import DEFAULT_KEEP
+from kvlocal.evals.report import _outside_window, question_pass, scoring, wilson_interval
+from kvlocal.route_settings import DEFAULT_KEEP, SHORTLIST_AUTO
 
 groups = defaultdict(list)
 full_answer = {}  # (length, seed, depth, question pass) -> full attention's answer
@@ -23,11 +23,11 @@ for path in sys.argv[1:]:
         r = json.loads(line)
         if r["mode"] == "full":
             full_answer[(r["length"], r["seed"], r["depth"], question_pass(r))] = r["answer"].strip()
-        geo = r["mode"] == "geometric"  # scoring settings matter to geometric rows only
-        key = (r["length"], r["mode"], r["top_k"] if r["mode"] != "full" else 0,
-               r.get("shortlist_used", r.get("shortlist")) if geo else None, r.get("estimate") if geo else None,
-               question_pass(r), r.get("centroid_block", 16) if geo else 0, geo and r.get("shortlist") == -1,
-               r.get("keep", 0.0) if geo else None)
+        # scoring settings (centroid block, shortlist as set, keep, estimate) matter to geometric rows only;
+        # an automatic shortlist is also told by the value it took
+        geo = scoring(r) if r["mode"] == "geometric" else None
+        key = (r["length"], r["mode"], r["top_k"] if r["mode"] != "full" else 0, question_pass(r), geo,
+               r.get("shortlist_used") if geo and geo[1] == SHORTLIST_AUTO else None)
         groups[key].append(r)
 
 
@@ -64,14 +64,17 @@ def same_as_full(rows):
 print("| length | route | question | acc. outside window [95 % CI] (n) | same answer as full, outside window (n) "
       "| total reduction | answer steps' reduction | MiB per answer step: K/V + metadata | decode tok/s (median) |")
 print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
-for (length, mode, k, shortlist, est, q, blk, auto, keep), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
+for (length, mode, k, q, geo, used), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
     far = [r for r in rows if _outside_window(r)]
     acc = mean(r["score"] for r in far)
     lo, hi = wilson_interval(acc, len(far))
-    route = ("full" if mode == "full" else f"{mode} top-{k}" if mode != "geometric" else
-             (f"{mode} top-{k}, shortlist {shortlist}{' (auto)' if auto else ''}"
-              f"{'' if est else ', no estimate'}" + (f", block {blk}" if blk else "")
-              + (f", keep {keep:g}" if keep is not None and keep != DEFAULT_KEEP else "")))
+    if geo is None:
+        route = "full" if mode == "full" else f"{mode} top-{k}"
+    else:
+        blk, shortlist, keep, est, _ = geo
+        shortlist = f"{used} (auto)" if shortlist == SHORTLIST_AUTO else shortlist
+        route = (f"{mode} top-{k}, shortlist {shortlist}{'' if est else ', no estimate'}, block {blk}"
+                 + (f", keep {keep:g}" if keep != DEFAULT_KEEP else ""))
     print(f"| {length:,} | {route} | {q} | {acc:.0%} [{lo * 100:.0f}–{hi * 100:.0f}] ({len(far)}) | {same_as_full(far)} | "
           f"{mean(r['reduction'] for r in rows):.1f}x | {mean(answer_reduction(r) for r in rows):.1f}x | "
           f"{step_mib(rows)} | {median(r['decode_tps'] for r in rows):.1f} |")

@@ -58,7 +58,8 @@ def scoring_label(point: dict) -> str:
     q = point.get("question", "steps")
     if (b, s, k, e, q) == DEFAULT_SCORING:
         return ""
-    return f"/b{b}" + (" s auto" if s == SHORTLIST_AUTO else f" s{s}" if s else "") + (f" keep {k:g}" if k else "") + (" est" if e else "") + f" {q}"
+    shortlist = " s auto" if s == SHORTLIST_AUTO else f" s{s}" if s else ""
+    return f"/b{b}" + shortlist + (f" keep {k:g}" if k else "") + (" est" if e else "") + f" {q}"
 
 
 def wilson_interval(accuracy: float, n: int, z: float = Z95) -> list[float]:
