@@ -17,6 +17,9 @@ from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK as CENTROID_BLOCK,
     DEFAULT_ESTIMATE as ESTIMATE,
     DEFAULT_KEEP as KEEP,
+    DEFAULT_PREFILL as PREFILL,
+    DEFAULT_PREFILL_FROM as PREFILL_FROM,
+    DEFAULT_PREFILL_TOP_K as PREFILL_TOP_K,
     DEFAULT_QUESTION as QUESTION,
     DEFAULT_QUESTION_TOP_K as QUESTION_TOP_K,
     DEFAULT_REGION as REGION,
@@ -141,6 +144,17 @@ QuestionOpt = Annotated[str, typer.Option(
 QuestionTopKOpt = Annotated[int, typer.Option(
     "--question-top-k", min=0, max=MAX_TOP_K, help="Regions per layer and KV head that a routed question reads.")]
 SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=MAX_SEED, help="Seed for random routing and sampling.")]
+PrefillOpt = Annotated[str, typer.Option(
+    "--prefill", help="How the document is prefilled: dense (every 512-token ubatch reads every earlier token) or "
+    "routed (from --prefill-from tokens on, a ubatch reads the first 64 tokens, the 128 before it, itself and the "
+    "--prefill-top-k regions its queries choose from the centroids: a long document loads several times faster, "
+    "its K/V differ a little from a dense prefill's, and its saved state is kept apart).")]
+PrefillTopKOpt = Annotated[int, typer.Option(
+    "--prefill-top-k", min=1, max=MAX_TOP_K, help="Regions of 64 tokens per layer and KV head that a routed prefill's "
+    "ubatch reads.")]
+PrefillFromOpt = Annotated[int, typer.Option(
+    "--prefill-from", min=0, max=MAX_CTX, help="Tokens of the document prefilled densely before a routed prefill "
+    "starts routing.")]
 
 
 def _text_arg(text: str) -> str:
@@ -163,6 +177,12 @@ def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: i
                          question_top_k=question_top_k)
     check_region_block(region, centroid_block)
     return config
+
+
+def _prefill(prefill: str, top_k: int = PREFILL_TOP_K, start: int = PREFILL_FROM):
+    from kvlocal.routing import PrefillConfig
+
+    return PrefillConfig(mode=prefill, top_k=top_k, start=start)
 
 
 def _check_out_file(path: Path) -> None:
@@ -197,12 +217,13 @@ def _open_session(model, ctx, threads, kv_type, centroid_block=CENTROID_BLOCK):
     return session
 
 
-def _load(session, text: str, label: str, use_cache: bool):
+def _load(session, text: str, label: str, use_cache: bool, prefill=None):
     from kvlocal.progress import StatusLine, load_summary, prefill_text
 
     line = StatusLine()
     try:
-        result = session.load_document(text, label=label, progress=lambda p: line.show(prefill_text(p)), use_cache=use_cache)
+        result = session.load_document(text, label=label, progress=lambda p: line.show(prefill_text(p)),
+                                       use_cache=use_cache, prefill=prefill)
     finally:
         line.done()
     if result.rebuilt_reason:
@@ -251,6 +272,9 @@ def ask(
     estimate: EstimateOpt = ESTIMATE,
     question_pass: QuestionOpt = QUESTION,
     question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
+    prefill: PrefillOpt = PREFILL,
+    prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
+    prefill_from: PrefillFromOpt = PREFILL_FROM,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
@@ -259,11 +283,12 @@ def ask(
 
     route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate, question_pass,
                        question_top_k)
+    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from)
     question = _text_arg(question)  # the document stays as given: a path
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
     session = _open_session(model, ctx, threads, kv_type, centroid_block)
-    _load(session, doc.text, doc.source, not no_cache)
+    _load(session, doc.text, doc.source, not no_cache, prefill_cfg)
     _stream_answer(session, question, route=route_cfg, max_tokens=max_tokens, temperature=temperature, seed=seed)
 
 
@@ -363,12 +388,16 @@ def tui(
     document: Annotated[Optional[Path], typer.Argument(help="Document to open (or pick one in the app).")] = None,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
+    prefill: PrefillOpt = PREFILL,
+    prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
+    prefill_from: PrefillFromOpt = PREFILL_FROM,
 ) -> None:
     """The interactive app: load, ask, and watch which KV regions each step reads."""
+    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from)
     _check_terminal()  # before textual is imported
     from kvlocal.tui.app import run_app
 
-    code = run_app(document=document, model=model, threads=threads)
+    code = run_app(document=document, model=model, threads=threads, prefill=prefill_cfg)
     if code:  # 130: interrupted (SIGINT or ctrl+c)
         if code == 130:
             err("kvlocal: interrupted")
@@ -457,6 +486,9 @@ def eval_(
     estimate: EstimateOpt = ESTIMATE,
     question_pass: QuestionOpt = QUESTION,
     question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
+    prefill: PrefillOpt = PREFILL,
+    prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
+    prefill_from: PrefillFromOpt = PREFILL_FROM,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
@@ -481,7 +513,7 @@ def eval_(
         seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks,
         sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K),
         shortlist=shortlist, keep=keep, estimate=estimate, question=question_pass, question_top_k=question_top_k,
-        max_tokens=max_tokens,
+        max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from),
     )
     for mode in config.modes:
         _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate, question_pass,
@@ -501,7 +533,9 @@ def eval_(
     _check_lengths_fit(session, config.lengths)
     rows = run_grid(session, config, out / "results.jsonl", filler=filler,
                     haystack_name=str(haystack or ""), log=lambda line: err(f"kvlocal: {line}"))
-    summary = report.summarize([r for r in rows if r["length"] in config.lengths and r["task"] in config.tasks])
+    prefill_tag = config.prefill.state_tag(session.centroid_block)
+    summary = report.summarize([r for r in rows if r["length"] in config.lengths and r["task"] in config.tasks
+                                and r.get("prefill", "dense") == prefill_tag])
     report.write_json(summary, out / "summary.json")
     print(report.markdown(summary))
     if plots:
@@ -619,9 +653,12 @@ def bench(
     question_pass: QuestionOpt = QUESTION,
     question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
+    prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", help="Context lengths whose haystack is prefilled twice, dense then routed (--prefill-top-k, --prefill-from), neither from the cache; 'none' skips this (a 32k dense prefill takes about half an hour on 2 cores).")] = "8k,16k,32k",
+    prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
+    prefill_from: PrefillFromOpt = PREFILL_FROM,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
 ) -> None:
-    """Decode speed of geometric vs full on the same prefilled state, memory, and time to first token."""
+    """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
     import json
 
     from kvlocal.atomic import write_text_atomic
@@ -632,12 +669,15 @@ def bench(
     route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate,
                    question_pass, question_top_k)
     context_lengths = _lengths(lengths)
+    prefill_context = [] if prefill_lengths.strip().lower() == "none" else _lengths(prefill_lengths)
+    prefill_cfg = _prefill("routed", prefill_top_k, prefill_from)
     if out:
         _check_out_file(out)
     session = _open_session(model, None, threads, "f16", centroid_block)
-    _check_lengths_fit(session, context_lengths)
+    _check_lengths_fit(session, context_lengths + prefill_context)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log)
+    prefills = b.bench_prefill(session, prefill_context, prefill_cfg, log=log)
     small = make_case(session, "passkey", 4096, [0.5], 1)
     ttft = b.time_to_first_token(session, small.text, route, small.probes[0].question)
     report = {
@@ -647,6 +687,9 @@ def bench(
                      "speedup": r.speedup,
                      "bytes_reduction": r.runs["geometric"].bytes_dense / max(1, r.runs["geometric"].bytes_read)}
                     for r in results],
+        "prefill": prefill_cfg.describe(),
+        "prefill_lengths": [{"length": p.length, "n_tokens": p.n_tokens, "dense_s": p.dense_s, "routed_s": p.routed_s,
+                             "speedup": p.speedup, "bytes_reduction": p.bytes_reduction} for p in prefills],
         "ttft_fresh_s": ttft["fresh"], "ttft_cached_s": ttft["cached"],
         "peak_rss_bytes": b.peak_rss_bytes(),
     }
@@ -659,6 +702,14 @@ def bench(
     for r in report["lengths"]:
         print(f"| {r['n_tokens']:,} | {human_bytes(r['kv_bytes'])} | {r['full_tps']:.2f} | {r['geometric_tps']:.2f} "
               f"| {r['speedup']:.2f}x | {r['bytes_reduction']:.1f}x |")
+    if prefills:
+        print()
+        print(f"prefill, dense vs {report['prefill']}:")
+        print("| context | dense s | routed s | speedup | attention bytes read, reduction |")
+        print("|---:|---:|---:|---:|---:|")
+        for p in report["prefill_lengths"]:
+            print(f"| {p['n_tokens']:,} | {p['dense_s']:.1f} | {p['routed_s']:.1f} | {p['speedup']:.2f}x "
+                  f"| {p['bytes_reduction']:.1f}x |")
     print(f"time to first token (4k document): fresh {report['ttft_fresh_s']:.1f} s, cached {report['ttft_cached_s']:.2f} s "
           f"({report['ttft_fresh_s'] / report['ttft_cached_s']:.0f}x)")
     print(f"peak RSS: {human_bytes(report['peak_rss_bytes'])}")

@@ -48,9 +48,18 @@ class StateKey:
     type_k: str
     type_v: str
     template_hash: str
+    prefill: str = "dense"  # how the document was prefilled (routing.PrefillConfig.state_tag)
+
+    def fields(self) -> dict:
+        """The key as stored: a dense prefill's key has no prefill field, as every key had before
+        routed prefill existed, so the states saved then keep their names and still load."""
+        fields = asdict(self)
+        if fields["prefill"] == "dense":
+            del fields["prefill"]
+        return fields
 
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        blob = json.dumps(self.fields(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
 
@@ -87,7 +96,7 @@ def save_state(key: StateKey, tokens: np.ndarray, state: bytes, label: str, root
     tokens = np.asarray(tokens, dtype="<i4")
     header = json.dumps(
         {
-            "key": asdict(key),
+            "key": key.fields(),
             "n_tokens": int(tokens.size),
             "state_len": len(state),
             "sha256": _body_digest(tokens, state),
@@ -134,7 +143,7 @@ def load_state(key: StateKey, root: Path | None = None) -> tuple[np.ndarray, byt
         return None
     with open(path, "rb") as fh:
         header = _read_header(fh)
-        if header.get("key") != asdict(key):
+        if header.get("key") != key.fields():
             raise StateCacheError("its key does not match this document, model and engine")
         try:
             n_tokens, state_len = int(header["n_tokens"]), int(header["state_len"])

@@ -44,8 +44,9 @@ class StatusLine:
 def prefill_text(p: PrefillProgress, width: int = 24) -> str:
     filled = int(width * p.done / p.total) if p.total else width
     bar = "█" * filled + "░" * (width - filled)
+    label = "prefill" if p.prefill == "dense" else f"prefill ({p.prefill})"
     return (
-        f"prefill {bar} {p.done:,}/{p.total:,} tokens  {p.rate:,.0f} tok/s  "
+        f"{label} {bar} {p.done:,}/{p.total:,} tokens  {p.rate:,.0f} tok/s  "
         f"ETA {human_seconds(p.eta)}"
     )
 
@@ -61,8 +62,16 @@ def download_text(done: int, total: int, stage: str) -> str:
 def load_summary(result: LoadResult) -> str:
     if result.cache_hit:
         how = f"loaded saved KV state in {result.seconds:.1f} s (cache hit, no prefill)"
+        if result.prefill.routed:
+            how += f"; it was prefilled {result.prefill.describe()}"
     else:
-        how = f"prefilled in {result.seconds:.1f} s ({result.rate:,.0f} tok/s)" + (", state saved" if result.saved else "")
+        mode = f" {result.prefill.describe()}" if result.prefill.routed else ""
+        how = f"prefilled{mode} in {result.seconds:.1f} s ({result.rate:,.0f} tok/s)"
+        reads = result.reads
+        if result.prefill.routed and reads and reads.bytes_read:
+            how += (f"; {reads.ubatches_routed} of {reads.ubatches} ubatches routed, attention read "
+                    f"{human_bytes(reads.bytes_read)} vs {human_bytes(reads.bytes_dense)} dense = {reads.reduction:.1f}x fewer bytes")
+        how += ", state saved" if result.saved else ""
     return f"document: {result.n_tokens:,} tokens, context {result.n_ctx:,}; {how}"
 
 

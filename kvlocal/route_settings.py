@@ -72,6 +72,19 @@ QUESTION_PASSES = ("dense", "routed", "steps")
 DEFAULT_QUESTION = "dense"
 DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's batch reads
 
+# How a document is prefilled (issue 14): "dense" reads every earlier cell for every ubatch;
+# "routed" lets a ubatch that starts PREFILL_FROM or more tokens into the document read the sinks,
+# the window before it, itself and the PREFILL_TOP_K regions per layer and KV head that its queries
+# choose together (patch 0007's routed ubatch, the decode route's geometry: 64-token regions,
+# 64 sinks, a 128-token window, a shortlist of PREFILL_SHORTLIST_SHARE x top-k, no memory, no
+# estimate). A routed prefill
+# writes other K/V bytes than a dense one, so its saved state is keyed apart.
+PREFILL_MODES = ("dense", "routed")
+DEFAULT_PREFILL = "dense"
+DEFAULT_PREFILL_TOP_K = 16
+DEFAULT_PREFILL_FROM = 4096
+PREFILL_SHORTLIST_SHARE = 4
+
 # -- bounds -----------------------------------------------------------------------------------------
 # The largest values the CLI accepts (typer min/max: a usage error before any work) and RouteConfig
 # validates (the core refuses them too). The engine takes these as 32-bit ints (the seed as uint32),

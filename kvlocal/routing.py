@@ -16,6 +16,9 @@ from kvlocal.route_settings import (
     DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
     DEFAULT_MODE,
+    DEFAULT_PREFILL,
+    DEFAULT_PREFILL_FROM,
+    DEFAULT_PREFILL_TOP_K,
     DEFAULT_QUESTION,
     DEFAULT_QUESTION_TOP_K,
     DEFAULT_REGION,
@@ -31,6 +34,8 @@ from kvlocal.route_settings import (
     MAX_SINKS,
     MAX_TOP_K,
     MAX_WINDOW,
+    PREFILL_MODES,
+    PREFILL_SHORTLIST_SHARE,
     QUESTION_PASSES,
 )
 
@@ -169,6 +174,55 @@ class RouteConfig:
             return "question read in one dense pass"
         return f"question read in one pass over top-{self.question_top_k} regions"
 
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """How a document's ubatches read the cache while it is prefilled: all densely, or, from
+    `start` tokens on, each routed to `top_k` regions per layer and KV head (with the sinks, the
+    window before it and itself), chosen by its queries together."""
+
+    mode: str = DEFAULT_PREFILL
+    top_k: int = DEFAULT_PREFILL_TOP_K
+    start: int = DEFAULT_PREFILL_FROM  # document tokens before the first routed ubatch
+
+    def __post_init__(self) -> None:
+        if self.mode not in PREFILL_MODES:
+            raise UsageError(f"the prefill must be one of {', '.join(PREFILL_MODES)} (got {self.mode!r})",
+                             setting="prefill")
+        if not 1 <= self.top_k <= MAX_TOP_K:
+            raise UsageError(f"the regions a routed prefill reads per ubatch must be between 1 and {MAX_TOP_K:,} "
+                             f"(got {self.top_k})", setting="prefill_top_k")
+        if not 0 <= self.start <= MAX_WINDOW:
+            raise UsageError(f"the routed prefill's start must be between 0 and {MAX_WINDOW:,} tokens "
+                             f"(got {self.start})", setting="prefill_from")
+
+    @property
+    def routed(self) -> bool:
+        return self.mode == "routed"
+
+    def route(self) -> RouteConfig:
+        """The route a routed ubatch follows (a one-token last ubatch decodes through it as a step): the
+        coarse centroids shortlist PREFILL_SHORTLIST_SHARE x top-k regions, their fine ones choose."""
+        return RouteConfig(mode="geometric", top_k=self.top_k, shortlist=min(MAX_SHORTLIST, PREFILL_SHORTLIST_SHARE * self.top_k),
+                           keep=0.0, estimate=False)
+
+    def routes_at(self, pos: int) -> bool:
+        """Whether the ubatch whose first token sits at `pos` is routed."""
+        return self.routed and pos >= self.start
+
+    def state_tag(self, centroid_block: int) -> str:
+        """What the saved state's key records of this prefill ("dense", or every routed setting that
+        shapes the K/V bytes, the centroid block included: it decides which regions are chosen)."""
+        if not self.routed:
+            return "dense"
+        r = self.route()
+        return (f"routed:top{self.top_k}:from{self.start}:region{r.region}:sinks{r.sinks}:window{r.window}"
+                f":shortlist{r.shortlist}:block{centroid_block}")
+
+    def describe(self) -> str:
+        if not self.routed:
+            return "dense"
+        return f"routed (top-{self.top_k} regions per ubatch from token {self.start:,})"
 
 
 @dataclass

@@ -28,7 +28,7 @@ from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
 from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK
 from kvlocal.routing import (
-    ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
+    PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
 )
 
 KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
@@ -41,6 +41,7 @@ class PrefillProgress:
     done: int
     total: int
     elapsed: float
+    prefill: str = "dense"  # PrefillConfig.mode
 
     @property
     def rate(self) -> float:
@@ -59,10 +60,33 @@ class LoadResult:
     seconds: float
     rebuilt_reason: str | None = None  # why a saved state was discarded (or could not be saved)
     saved: bool = False  # the prefilled state was written to the cache
+    prefill: PrefillConfig = PrefillConfig()  # how the state was (or the saved one had been) prefilled
+    reads: PrefillReads | None = None  # what this prefill's ubatches read (None for a cache hit)
 
     @property
     def rate(self) -> float:
         return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class PrefillReads:
+    """K/V and metadata bytes the prefill's ubatches read, as the engine counted them, against what
+    reading every earlier cell would have cost."""
+
+    ubatches: int = 0
+    ubatches_routed: int = 0
+    bytes_read: int = 0
+    bytes_dense: int = 0
+
+    def add(self, stats: ReadStats) -> None:
+        self.ubatches += 1
+        self.ubatches_routed += stats.n_layer_routed > 0
+        self.bytes_read += stats.bytes_read
+        self.bytes_dense += stats.bytes_dense
+
+    @property
+    def reduction(self) -> float:
+        return self.bytes_dense / self.bytes_read if self.bytes_read else 1.0
 
 
 MAX_TEMPERATURE = 10.0
@@ -168,7 +192,7 @@ class Session:
             return self.requested_ctx
         return min(self.trained_ctx, -(-needed // CTX_ROUND) * CTX_ROUND)
 
-    def state_key(self, text: str, n_ctx: int) -> kvstate.StateKey:
+    def state_key(self, text: str, n_ctx: int, prefill: PrefillConfig | None = None) -> kvstate.StateKey:
         # an engine built from this checkout is keyed by what decides its prefilled K/V bytes (the
         # pin and the patches not marked `Prefill-KV: unchanged`), so a routing-only rebuild keeps
         # the saved states; any other engine by its whole build id
@@ -181,6 +205,7 @@ class Session:
             type_k=self.kv_type,
             type_v=self.kv_type,
             template_hash=self.parts.template_hash,
+            prefill=(prefill or PrefillConfig()).state_tag(self.centroid_block),
         )
 
     def load_document(
@@ -191,8 +216,12 @@ class Session:
         progress: Callable[[PrefillProgress], None] | None = None,
         cancel: threading.Event | None = None,
         use_cache: bool = True,
+        prefill: PrefillConfig | None = None,
     ) -> LoadResult:
-        """Prefill the document (or restore its saved state). Ctrl-C / cancel leaves nothing behind."""
+        """Prefill the document (or restore its saved state). Ctrl-C / cancel leaves nothing behind.
+        `prefill` says how its ubatches read the cache (dense by default); a routed prefill's state is
+        saved and found under its own key."""
+        prefill = prefill or PrefillConfig()
         self.parts = build_prompt(text, self.chat_template, model_name=self.model.path.name)
         tokens = self.tokenize_prompt(self.parts.prefix_segments(), bos=True)
         n_ctx = self.choose_ctx(len(tokens))
@@ -201,7 +230,7 @@ class Session:
             self.llm = self._new_llama(n_ctx=n_ctx)
         self.n_prefix = 0
         self.doc_label = label
-        key = self.state_key(text, n_ctx)
+        key = self.state_key(text, n_ctx, prefill)
         start = time.perf_counter()
         rebuilt = None
 
@@ -223,9 +252,9 @@ class Session:
                 saved_tokens, state = saved
                 if list(saved_tokens) == tokens and self._set_state(state):
                     self._mark_tokens(tokens)
-                    return LoadResult(len(tokens), n_ctx, True, time.perf_counter() - start)
+                    return LoadResult(len(tokens), n_ctx, True, time.perf_counter() - start, prefill=prefill)
                 rebuilt = discard("saved state did not match the document tokens or engine; rebuilt")
-        self._prefill(tokens, progress, cancel)
+        reads = self._prefill(tokens, progress, cancel, prefill)
         state = self._compact_swa_cache()
         seconds = time.perf_counter() - start
         saved_to = None
@@ -235,24 +264,40 @@ class Session:
             except OSError as err:  # a full disk or an unusable cache dir: the prefilled context still works
                 note = f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
                 rebuilt = f"{rebuilt}; {note}" if rebuilt else note
-        return LoadResult(len(tokens), n_ctx, False, seconds, rebuilt, saved=saved_to is not None)
+        return LoadResult(len(tokens), n_ctx, False, seconds, rebuilt, saved=saved_to is not None, prefill=prefill,
+                          reads=reads)
 
     def _prefill(
         self,
         tokens: list[int],
         progress: Callable[[PrefillProgress], None] | None,
         cancel: threading.Event | None,
-    ) -> None:
+        prefill: PrefillConfig,
+    ) -> PrefillReads:
         llm = self.llm
         self._clear_kv()
         start = time.perf_counter()
+        reads = PrefillReads()
+        dense, routed = RouteConfig(mode="full"), prefill.route()
+        if prefill.routed:
+            check_region_block(routed.region, self.centroid_block)
         try:
             for i in range(0, len(tokens), self.n_batch):
                 if cancel is not None and cancel.is_set():
                     raise CancelledError("cancelled: the document was not loaded")
+                # a routed ubatch reads the sinks, the window before it, itself and the regions its
+                # queries choose; the others (and every ubatch of a dense prefill) read every earlier cell
+                if prefill.routes_at(i):
+                    routed.apply(self.ctx, batch_top_k=prefill.top_k)
+                else:
+                    dense.apply(self.ctx)
                 llm.eval(tokens[i : i + self.n_batch])
+                stats = read_stats(self.ctx, with_regions=False)
+                if stats:
+                    reads.add(stats)
                 if progress:
-                    progress(PrefillProgress(min(i + self.n_batch, len(tokens)), len(tokens), time.perf_counter() - start))
+                    progress(PrefillProgress(min(i + self.n_batch, len(tokens)), len(tokens), time.perf_counter() - start,
+                                             prefill.mode))
         except KeyboardInterrupt:
             self._clear_kv()
             raise CancelledError("interrupted: the document was not loaded and nothing was saved") from None
@@ -262,7 +307,10 @@ class Session:
         except RuntimeError as err:
             self._clear_kv()
             raise EngineError(f"prefill failed: {err}") from None
+        finally:
+            dense.apply(self.ctx)  # the next document's prefill and answer set their own
         self.n_prefix = len(tokens)
+        return reads
 
     def _compact_swa_cache(self) -> bytes | None:
         """In an iSWA model, the prefilled state reloaded, so that the sliding-window layers' cache holds

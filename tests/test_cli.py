@@ -287,9 +287,13 @@ def test_too_short_context_is_a_usage_error(cache_dir, tiny_model, command):
 def test_bench_reports_speed_ttft_and_upkeep(cache_dir, tiny_model, tmp_path):
     out = tmp_path / "bench.json"
     result = run("bench", "--model", str(tiny_model), "--lengths", "2k", "--tokens", "4", "--top-k", "2",
-                 "--centroid-block", "32", "--out", str(out))
+                 "--centroid-block", "32", "--prefill-lengths", "2k", "--prefill-top-k", "1", "--prefill-from", "512",
+                 "--out", str(out))
     assert result.exit_code == 0, result.stderr
     report = json.loads(out.read_text())
+    [prefill] = report["prefill_lengths"]
+    assert prefill["dense_s"] > 0 and prefill["routed_s"] > 0 and prefill["bytes_reduction"] > 1
+    assert "| routed s |" in result.stdout
     [length] = report["lengths"]
     assert length["length"] == 2048 and length["full_tps"] > 0 and length["geometric_tps"] > 0
     assert length["bytes_reduction"] > 1  # routed steps read fewer bytes than dense ones

@@ -71,6 +71,9 @@ def assert_usage_error(result, option: str) -> None:
         ("--max-tokens", "2147483648"),
         ("--max-tokens", HUGE),
         ("--question-top-k", "2147483648"),
+        ("--prefill-top-k", "0"),
+        ("--prefill-top-k", HUGE),
+        ("--prefill-from", HUGE),
     ],
 )
 def test_ask_refuses_out_of_range_numbers_before_any_work(no_engine, doc, option, value):
@@ -82,6 +85,14 @@ def test_ask_refuses_an_unknown_question_pass_before_any_work(no_engine, doc):
     result = run("ask", str(doc), "What did post 1 read?", "--question-pass", "sideways")
     assert_usage_error(result, "the question pass must be one of dense, routed, steps (got 'sideways') "
                                "(option --question-pass)")
+
+
+@pytest.mark.parametrize("command", ["ask", "eval", "tui"])
+def test_an_unknown_prefill_is_refused_before_any_work(no_engine, doc, tmp_path, command):
+    args = {"ask": ["ask", str(doc), "What did post 1 read?"], "eval": ["eval", "--out", str(tmp_path / "ev")],
+            "tui": ["tui", str(doc)]}[command]
+    result = run(*args, "--prefill", "sparse")
+    assert_usage_error(result, "the prefill must be one of dense, routed (got 'sparse') (option --prefill)")
 
 
 def test_ask_refuses_an_unknown_centroid_block_before_any_work(no_engine, doc):
@@ -138,6 +149,8 @@ def test_lab_refuses_out_of_range_numbers_before_any_work(no_engine, tmp_path, a
         (["--top-k", "2147483648"], "--top-k"),
         (["--sinks", "4294967040"], "--sinks"),
         (["--lengths", "2147483648"], "--lengths"),
+        (["--prefill-top-k", "0"], "--prefill-top-k"),
+        (["--prefill-from", HUGE], "--prefill-from"),
     ],
 )
 def test_bench_refuses_out_of_range_numbers_before_any_work(no_engine, args, option):
@@ -243,7 +256,7 @@ def test_a_question_with_bytes_that_are_not_utf8_reaches_the_answer(monkeypatch,
     session = _RecordingSession()
     loaded = []
     monkeypatch.setattr(cli, "_open_session", lambda *a, **k: session)
-    monkeypatch.setattr(cli, "_load", lambda s, text, label, use_cache: loaded.append((text, label)))
+    monkeypatch.setattr(cli, "_load", lambda s, text, label, use_cache, prefill=None: loaded.append((text, label)))
     result = run("ask", str(path), "What did post 1 read at the caf\udce9?")
     assert "UnicodeEncodeError" not in repr(result.exception), result.exception
     assert result.exit_code == 2, (result.output, result.exception)

@@ -22,7 +22,7 @@ from engine_probe import RawContext, ggml_base  # noqa: E402
 from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2  # noqa: E402
 
 from kvlocal.engine import llama_cpp  # noqa: E402
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import PrefillConfig, RouteConfig  # noqa: E402
 
 GGML_MAX_DIMS, GGML_MAX_SRC = 4, 10
 F32, F16, Q8_0, I32, I64 = 0, 1, 8, 26, 27
@@ -178,6 +178,18 @@ def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, iswa64, kv_
     bad_metal = [(n["op"], n["name"]) for n in nodes if not metal_supports(n)]
     assert not bad_cuda, f"nodes CUDA would not run: {bad_cuda}"
     assert not bad_metal, f"nodes Metal would not run: {bad_metal}"
+
+
+@pytest.mark.parametrize("kv_type", [F16, Q8_0])
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
+def test_a_routed_prefill_ubatch_is_supported_on_cuda_and_metal(model64, iswa64, kv_type, arch):
+    # a document's ubatch routed as PrefillConfig does it: many queries, causal inside the ubatch
+    model = model64 if arch == "qwen2" else iswa64
+    route = PrefillConfig(mode="routed", top_k=3).route()
+    nodes = record_decode_graph(model, kv_type, route, n_batch=128)
+    assert any(n["name"].startswith("kv_route_fattn") for n in nodes), "the ubatch did not take the routed path"
+    bad = [(n["op"], n["name"]) for n in nodes if not (cuda_supports(n) and metal_supports(n))]
+    assert not bad, f"nodes CUDA or Metal would not run: {bad}"
 
 
 def test_top_k_rows_stay_within_the_cuda_limit_at_the_trained_context():

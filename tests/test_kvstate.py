@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import replace
@@ -37,6 +38,22 @@ def test_no_entry_is_none_and_every_key_field_names_another_entry(root):
     for field in ("text_sha256", "model_sha256", "engine_build", "type_k", "template_hash"):
         assert kvstate.load_state(replace(KEY, **{field: "other"}), root) is None
     assert kvstate.load_state(replace(KEY, n_ctx=8192), root) is None
+    assert kvstate.load_state(replace(KEY, prefill="routed:top16"), root) is None
+
+
+def test_a_dense_prefills_key_is_the_key_states_were_saved_under_before_routed_prefill(root):
+    # the seven fields alone, as every key was written before the prefill field: saved states keep loading
+    before = {"text_sha256": "text", "model_sha256": "model", "engine_build": "engine", "n_ctx": 4096,
+              "type_k": "f16", "type_v": "f16", "template_hash": "template"}
+    assert KEY.digest() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:32]
+    path = kvstate.save_state(KEY, TOKENS, STATE, label="doc", root=root)
+    with open(path, "rb") as fh:
+        header = kvstate._read_header(fh)
+    assert header["key"] == before
+    routed = replace(KEY, prefill="routed:top16")
+    assert routed.digest() != KEY.digest()
+    kvstate.save_state(routed, TOKENS, STATE[:100], label="doc", root=root)
+    assert kvstate.load_state(routed, root)[1] == STATE[:100] and kvstate.load_state(KEY, root)[1] == STATE
 
 
 def _damage(path, how):

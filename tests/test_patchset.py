@@ -157,7 +157,7 @@ def test_the_build_applies_and_reverts_a_patch_with_a_header_in_its_root(tmp_pat
 
 def _session(engine: EngineInfo) -> SimpleNamespace:
     return SimpleNamespace(engine=engine, model=SimpleNamespace(sha256="m" * 64), kv_type="f16",
-                           parts=SimpleNamespace(template_hash="t"))
+                           parts=SimpleNamespace(template_hash="t"), centroid_block=8)
 
 
 def _engine(build_id: str | None, repo_patchset: str | None) -> EngineInfo:

@@ -9,8 +9,8 @@ import numpy as np
 
 from kvlocal.answer import AnswerSummary
 from kvlocal.progress import StatusLine, answer_summary, download_text, load_summary, prefill_text
-from kvlocal.routing import ReadStats, RouteConfig, RouteMode
-from kvlocal.session import LoadResult, PrefillProgress
+from kvlocal.routing import PrefillConfig, ReadStats, RouteConfig, RouteMode
+from kvlocal.session import LoadResult, PrefillProgress, PrefillReads
 
 
 class Terminal(io.StringIO):
@@ -51,6 +51,15 @@ def test_load_summary_says_how_the_document_got_there():
         "document: 1,000 tokens, context 2,048; loaded saved KV state in 0.5 s (cache hit, no prefill)")
     assert load_summary(LoadResult(1000, 2048, False, 4.0, saved=True)) == (
         "document: 1,000 tokens, context 2,048; prefilled in 4.0 s (250 tok/s), state saved")
+    routed = PrefillConfig(mode="routed", top_k=8, start=4096)
+    reads = PrefillReads(ubatches=60, ubatches_routed=52, bytes_read=2 * 1024**3, bytes_dense=10 * 1024**3)
+    assert load_summary(LoadResult(30000, 31000, False, 400.0, saved=True, prefill=routed, reads=reads)) == (
+        "document: 30,000 tokens, context 31,000; prefilled routed (top-8 regions per ubatch from token 4,096) "
+        "in 400.0 s (75 tok/s); 52 of 60 ubatches routed, attention read 2.0 GiB vs 10.0 GiB dense = 5.0x fewer "
+        "bytes, state saved")
+    assert load_summary(LoadResult(30000, 31000, True, 3.0, prefill=routed)).endswith(
+        "(cache hit, no prefill); it was prefilled routed (top-8 regions per ubatch from token 4,096)")
+    assert prefill_text(PrefillProgress(500, 1000, 10.0, "routed"), width=2).startswith("prefill (routed) █░ 500/1,000")
 
 
 def test_answer_summary_adds_the_reads_of_every_step():

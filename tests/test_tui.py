@@ -18,7 +18,7 @@ from textual.widgets import Input, Static
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary
 from kvlocal.errors import CancelledError, ModelError, UsageError
 from kvlocal.route_settings import DEFAULT_TOP_K as K
-from kvlocal.routing import ReadStats, RouteConfig, RouteMode
+from kvlocal.routing import PrefillConfig, ReadStats, RouteConfig, RouteMode
 from kvlocal.session import LoadResult, PrefillProgress
 from kvlocal.tui.answer_log import Notice
 from kvlocal.tui.app import KvlocalApp
@@ -49,28 +49,31 @@ class FakeSession:
         self.n_prefix = 0
         self.saved: set[str] = set()
         self.asked: list[tuple[str, RouteConfig]] = []
+        self.prefills: list[PrefillConfig] = []
 
-    def load_document(self, text, *, label="", progress=None, cancel=None, use_cache=True):
+    def load_document(self, text, *, label="", progress=None, cancel=None, use_cache=True, prefill=None):
+        prefill = prefill or PrefillConfig()
+        self.prefills.append(prefill)
         words = ["<sys>"] * 16 + text.split()
         n = len(words)
         n_ctx = -(-(n + 768) // 256) * 256
         if text in self.saved:
             self.tokens, self.n_prefix = words, n
-            return LoadResult(n, n_ctx, True, 0.01)
+            return LoadResult(n, n_ctx, True, 0.01, prefill=prefill)
         self.n_prefix = 0
         for i in range(0, n, 64):
             if cancel is not None and cancel.is_set():
                 raise CancelledError("cancelled: the document was not loaded")
             time.sleep(self.prefill_delay)
             if progress:
-                progress(PrefillProgress(min(i + 64, n), n, 0.5))
+                progress(PrefillProgress(min(i + 64, n), n, 0.5, prefill.mode))
             if self.hold_prefill and cancel is not None:
                 deadline = time.monotonic() + 30
                 while not (cancel.is_set() or self.release.wait(0.01)) and time.monotonic() < deadline:
                     pass
         self.tokens, self.n_prefix = words, n
         self.saved.add(text)
-        return LoadResult(n, n_ctx, False, 0.5, saved=True)
+        return LoadResult(n, n_ctx, False, 0.5, saved=True, prefill=prefill)
 
     def span_text(self, start: int, end: int) -> str:
         return " ".join(self.tokens[start:end])
@@ -315,6 +318,17 @@ async def test_cached_document_opens_at_once(doc):
         assert app.document.cache_hit
         assert "cache hit" in app.sub_title
         assert any("cache hit" in text for text in notices(app))
+
+
+@pytest.mark.asyncio
+async def test_the_app_prefills_as_told_and_says_how(doc):
+    session = FakeSession()
+    app = fake_app(doc, session, prefill=PrefillConfig(mode="routed", top_k=8))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.document is not None)
+        assert session.prefills == [PrefillConfig(mode="routed", top_k=8)]
+        assert app.document.prefill == "routed"
+        assert "prefilled (routed prefill)" in app.sub_title
 
 
 @pytest.mark.asyncio

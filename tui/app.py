@@ -27,7 +27,7 @@ from textual.widgets import Footer, Header, Input, OptionList
 from kvlocal.errors import CancelledError, KvlocalError
 from kvlocal.units import human_seconds
 from kvlocal.route_settings import DEFAULT_MODE, MODES
-from kvlocal.routing import RouteConfig
+from kvlocal.routing import PrefillConfig, RouteConfig
 from kvlocal.tui.answer_log import AnswerEntry, AnswerLog, route_label
 from kvlocal.tui.counters import ReadCounters
 from kvlocal.tui.file_picker import FilePicker
@@ -106,6 +106,7 @@ class KvlocalApp(App[None]):
         threads: int | None = None,
         session_factory: SessionFactory | None = None,
         route: RouteConfig | None = None,
+        prefill: PrefillConfig | None = None,
         max_tokens: int = 256,
         handle_sigint: bool = False,
     ) -> None:
@@ -118,6 +119,7 @@ class KvlocalApp(App[None]):
         self.session: Any = None
         self.document: LoadedDocument | None = None
         self.route = route or RouteConfig()
+        self.prefill = prefill or PrefillConfig()
         self.max_tokens = max_tokens
         self.busy: str | None = None  # "load" or "answer" while a worker runs
         self.last_question: str | None = None
@@ -204,6 +206,8 @@ class KvlocalApp(App[None]):
             self.sub_title = "no document"
             return
         how = "cache hit" if doc.cache_hit else "prefilled"
+        if doc.prefill != "dense":
+            how += f" ({doc.prefill} prefill)"
         self.sub_title = f"{doc.name} · {doc.n_tokens:,} tokens · ctx {doc.n_ctx:,} · {how}"
 
     # -- opening documents --------------------------------------------------------------------------
@@ -263,6 +267,7 @@ class KvlocalApp(App[None]):
                 label=str(path),
                 progress=lambda p: self.post_message(PrefillProgressed(p)),
                 cancel=cancel,
+                prefill=self.prefill,
             )
         except CancelledError as err:
             self.post_message(DocumentFailed(path, str(err), cancelled=True))
@@ -282,6 +287,7 @@ class KvlocalApp(App[None]):
             seconds=result.seconds,
             rebuilt_reason=result.rebuilt_reason,
             saved=result.saved,
+            prefill=result.prefill.mode,
         )
         self.post_message(DocumentLoaded(loaded))
 
@@ -303,7 +309,7 @@ class KvlocalApp(App[None]):
     def on_prefill_progressed(self, message: PrefillProgressed) -> None:
         p = message.progress
         if self._load_screen is not None:
-            self._load_screen.set_prefill(p.done, p.total, p.rate, p.eta)
+            self._load_screen.set_prefill(p.done, p.total, p.rate, p.eta, p.prefill)
 
     def _close_load_screen(self) -> None:
         if self._load_screen is not None:
@@ -349,7 +355,8 @@ class KvlocalApp(App[None]):
             toast = f"{detail} in {doc.seconds:.1f} s"
         else:
             detail = "prefilled; KV state saved" if doc.saved else "prefilled; KV state not saved"
-            toast = f"prefilled in {human_seconds(doc.seconds)} ({doc.n_tokens / max(doc.seconds, 1e-9):,.0f} tok/s)"
+            how = "prefilled" if doc.prefill == "dense" else f"prefilled ({doc.prefill})"
+            toast = f"{how} in {human_seconds(doc.seconds)} ({doc.n_tokens / max(doc.seconds, 1e-9):,.0f} tok/s)"
         self.log_widget.add_notice(f"Loaded {doc.name}: {doc.n_tokens:,} tokens, context {doc.n_ctx:,} ({detail}).")
         if doc.rebuilt_reason:
             self.log_widget.add_notice(doc.rebuilt_reason)
@@ -650,8 +657,9 @@ class KvlocalApp(App[None]):
 INTERRUPTED = 130  # the exit code of an interrupted kvlocal command
 
 
-def run_app(document: Path | None = None, model: str | None = None, threads: int | None = None) -> int:
+def run_app(document: Path | None = None, model: str | None = None, threads: int | None = None,
+            prefill: PrefillConfig | None = None) -> int:
     """Entry point of `kvlocal tui`; returns the exit code (130: interrupted)."""
-    app = KvlocalApp(document, model=model, threads=threads, handle_sigint=True)
+    app = KvlocalApp(document, model=model, threads=threads, prefill=prefill, handle_sigint=True)
     app.run()
     return app.return_code or 0

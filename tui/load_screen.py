@@ -86,10 +86,11 @@ class LoadScreen(ModalScreen[None]):
         self.query_one(ProgressBar).update(total=max(total, 1), progress=done)
         self.query_one("#load-stats", Static).update(f"{human_bytes(done)} of {human_bytes(total)}")
 
-    def set_prefill(self, done: int, total: int, rate: float, eta: float) -> None:
+    def set_prefill(self, done: int, total: int, rate: float, eta: float, prefill: str = "dense") -> None:
         self.query_one(ProgressBar).update(total=max(total, 1), progress=done)
+        how = "" if prefill == "dense" else f"{prefill} prefill · "
         self.query_one("#load-stats", Static).update(
-            f"{done:,} / {total:,} tokens · {rate:,.0f} tok/s · ETA {human_seconds(eta)}"
+            f"{how}{done:,} / {total:,} tokens · {rate:,.0f} tok/s · ETA {human_seconds(eta)}"
         )
 
     def on_key(self, event: Key) -> None:

@@ -63,6 +63,7 @@ class LoadedDocument:
     seconds: float
     rebuilt_reason: str | None = None
     saved: bool = True  # the prefilled state went to the cache
+    prefill: str = "dense"  # how it was prefilled: dense, or routed (PrefillConfig.mode)
 
     @property
     def name(self) -> str:

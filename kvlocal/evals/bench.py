@@ -1,4 +1,4 @@
-"""`kvlocal bench`: speed and memory of routed vs dense decoding, measured in one run.
+"""`kvlocal bench`: speed and memory of routed vs dense decoding and prefill, measured in one run.
 
 Everything is a ratio between measurements taken back to back in this process on the same
 prefilled state, so a noisy, shared machine still gives comparable figures.
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvlocal.evals.runner import DEFAULT_DEPTHS, make_case
-from kvlocal.routing import RouteConfig
+from kvlocal.routing import PrefillConfig, RouteConfig
 from kvlocal.session import Session
 
 
@@ -69,6 +69,37 @@ def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n
             res.runs[mode] = _decode(session, question, r, n_tokens, repeats)
             log(f"  {mode:<9} {res.runs[mode].rate:6.2f} tok/s over {res.runs[mode].tokens} tokens")
         results.append(res)
+    return results
+
+
+@dataclass
+class PrefillRun:
+    """One document prefilled twice back to back, densely and routed, neither from the cache."""
+
+    length: int
+    n_tokens: int
+    dense_s: float
+    routed_s: float
+    bytes_reduction: float  # attention K/V and metadata bytes the routed prefill read, vs dense
+
+    @property
+    def speedup(self) -> float:
+        return self.dense_s / self.routed_s if self.routed_s else 0.0
+
+
+def bench_prefill(session: Session, lengths: list[int], prefill: PrefillConfig, *,
+                  log: Callable[[str], None] = print) -> list[PrefillRun]:
+    """Seconds to prefill the eval grid's passkey haystack of each length, dense then routed."""
+    results = []
+    for length in lengths:
+        case = make_case(session, "passkey", length, list(DEFAULT_DEPTHS), 0)
+        dense = session.load_document(case.text, label=f"bench prefill {length}", use_cache=False)
+        log(f"prefill {length}: {dense.n_tokens:,} tokens dense in {dense.seconds:.1f} s ({dense.rate:,.1f} tok/s)")
+        routed = session.load_document(case.text, label=f"bench prefill {length}", use_cache=False, prefill=prefill)
+        reduction = routed.reads.reduction if routed.reads else 1.0
+        log(f"prefill {length}: routed in {routed.seconds:.1f} s ({routed.rate:,.1f} tok/s), "
+            f"{dense.seconds / max(routed.seconds, 1e-9):.2f}x faster, {reduction:.1f}x fewer attention bytes")
+        results.append(PrefillRun(length, dense.n_tokens, dense.seconds, routed.seconds, reduction))
     return results
 
 

@@ -28,7 +28,7 @@ from kvlocal.route_settings import (
     MODES,
 )
 from kvlocal.evals.report import BLOCK_BEFORE_RECORDED, question_pass
-from kvlocal.routing import RouteConfig
+from kvlocal.routing import PrefillConfig, RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
 
 
@@ -56,6 +56,7 @@ class GridConfig:
     question: str = DEFAULT_QUESTION  # how the question reads the document: routed, dense or steps
     question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions a routed question reads
     max_tokens: int | None = None  # None: ANSWER_TOKENS[task]
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)  # how the haystacks are prefilled
 
     def routes(self) -> Iterator[RouteConfig]:
         for mode in self.modes:
@@ -106,7 +107,8 @@ def row_key(row: dict) -> tuple:
             row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
             row.get("keep", 0.0),  # ... and selected afresh at every step
             row.get("estimate", False),  # ... and dropped the unread regions' mass
-            question_pass(row))  # ... and decoded the question token by token
+            question_pass(row),  # ... and decoded the question token by token
+            row.get("prefill", "dense"))  # ... and prefilled the haystack densely
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -142,6 +144,7 @@ def run_grid(
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = load_rows(out)
     done = {row_key(r) for r in rows}
+    prefill_tag = config.prefill.state_tag(session.centroid_block)
     for length in config.lengths:
         for task in config.tasks:
             for seed in config.seeds:
@@ -151,11 +154,11 @@ def run_grid(
                     for i, probe in enumerate(case.probes)
                     for route in config.routes()
                     if _key(length, task, seed, i, route, haystack_name, session.centroid_block,
-                            answer_tokens(config, task)) not in done
+                            answer_tokens(config, task), prefill_tag) not in done
                 ]
                 if not todo:
                     continue
-                loaded = _load(session, case, length, seed, log)
+                loaded = _load(session, case, length, seed, config.prefill, log)
                 for i, probe, route in todo:
                     row = _ask(session, case, i, probe, route, config, length, seed, haystack_name, loaded)
                     append_row(out, row)
@@ -169,22 +172,27 @@ def run_grid(
     return rows
 
 
-def _key(length, task, seed, probe_index, route, haystack_name, centroid_block, max_tokens) -> tuple:
+def _key(length, task, seed, probe_index, route, haystack_name, centroid_block, max_tokens, prefill_tag) -> tuple:
     """row_key of the row that asking this probe would write."""
     return row_key({"length": length, "task": task, "seed": seed, "probe": probe_index, "mode": route.mode,
                     "top_k": route.top_k, "region": route.region, "window": route.window, "sinks": route.sinks,
                     "haystack": haystack_name, "centroid_block": centroid_block, "max_tokens": max_tokens,
                     "shortlist": route.shortlist, "keep": route.keep, "estimate": route.estimate,
-                    "question": route.question, "question_top_k": route.question_top_k})
+                    "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag})
 
 
-def _load(session: Session, case: Case, length: int, seed: int, log) -> dict:
+def _load(session: Session, case: Case, length: int, seed: int, prefill: PrefillConfig, log) -> dict:
     start = time.perf_counter()
-    result = session.load_document(case.text, label=f"eval {case.task} {length} seed {seed}")
-    how = "cache hit" if result.cache_hit else f"prefill {result.rate:,.0f} tok/s"
+    result = session.load_document(case.text, label=f"eval {case.task} {length} seed {seed}", prefill=prefill)
+    how = "cache hit" if result.cache_hit else f"{prefill.mode} prefill {result.rate:,.0f} tok/s"
+    if result.reads and prefill.routed:
+        how += f", {result.reads.reduction:.1f}x fewer attention bytes"
     log(f"haystack {case.task} {length} seed {seed}: {result.n_tokens:,} tokens, {how} ({time.perf_counter() - start:.1f} s)")
     return {"n_tokens": result.n_tokens, "cache_hit": result.cache_hit,
-            "prefill_tps": None if result.cache_hit else result.rate}
+            "prefill_tps": None if result.cache_hit else result.rate,
+            "prefill_s": None if result.cache_hit else result.seconds,
+            "prefill_reduction": result.reads.reduction if result.reads else None,
+            "prefill": prefill.state_tag(session.centroid_block)}
 
 
 def _ask(session, case, index, probe, route, config, length, seed, haystack_name, loaded) -> dict:
@@ -205,7 +213,10 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "answer": summary.text.strip(),
         "expected": list(probe.answers),
         "n_tokens": loaded["n_tokens"],
+        "prefill": loaded["prefill"],
         "prefill_tps": loaded["prefill_tps"],
+        "prefill_s": loaded["prefill_s"],
+        "prefill_reduction": loaded["prefill_reduction"],
         "decode_tps": summary.decode_rate,
         "steps": summary.steps,
         "rows_read": summary.rows_read,
