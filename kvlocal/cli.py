@@ -533,7 +533,7 @@ def eval_(
     _check_lengths_fit(session, config.lengths)
     rows = run_grid(session, config, out / "results.jsonl", filler=filler,
                     haystack_name=str(haystack or ""), log=lambda line: err(f"kvlocal: {line}"))
-    prefill_tag = config.prefill.state_tag(session.centroid_block)
+    prefill_tag = session.prefill_tag(config.prefill)
     summary = report.summarize([r for r in rows if r["length"] in config.lengths and r["task"] in config.tasks
                                 and r.get("prefill", "dense") == prefill_tag])
     report.write_json(summary, out / "summary.json")

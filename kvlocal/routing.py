@@ -210,14 +210,20 @@ class PrefillConfig:
         """Whether the ubatch whose first token sits at `pos` is routed."""
         return self.routed and pos >= self.start
 
-    def state_tag(self, centroid_block: int) -> str:
-        """What the saved state's key records of this prefill ("dense", or every routed setting that
-        shapes the K/V bytes, the centroid block included: it decides which regions are chosen)."""
+    def routes_any(self, n_tokens: int, n_batch: int) -> bool:
+        """Whether any ubatch of a document of `n_tokens` tokens, prefilled `n_batch` at a time, is routed
+        (a document no longer than the start is prefilled exactly as a dense prefill would)."""
+        return any(self.routes_at(pos) for pos in range(0, n_tokens, n_batch))
+
+    def state_tag(self, centroid_block: int, n_batch: int) -> str:
+        """What the saved state's key (and an eval row) records of this prefill: "dense", or every
+        routed setting that shapes the K/V bytes, the centroid block and the ubatch size included (they
+        decide which regions are chosen, and which ubatches)."""
         if not self.routed:
             return "dense"
         r = self.route()
         return (f"routed:top{self.top_k}:from{self.start}:region{r.region}:sinks{r.sinks}:window{r.window}"
-                f":shortlist{r.shortlist}:block{centroid_block}")
+                f":shortlist{r.shortlist}:block{centroid_block}:ubatch{n_batch}")
 
     def describe(self) -> str:
         if not self.routed:

@@ -192,11 +192,14 @@ class Session:
             return self.requested_ctx
         return min(self.trained_ctx, -(-needed // CTX_ROUND) * CTX_ROUND)
 
-    def state_key(self, text: str, n_ctx: int, prefill: PrefillConfig | None = None) -> kvstate.StateKey:
+    def state_key(self, text: str, n_ctx: int, prefill_tag: str = "dense") -> kvstate.StateKey:
         # an engine built from this checkout is keyed by what decides its prefilled K/V bytes (the
         # pin and the patches not marked `Prefill-KV: unchanged`), so a routing-only rebuild keeps
-        # the saved states; any other engine by its whole build id
-        kv_state = repo_kv_state_id() if self.engine.current and self.engine.repo_patchset else None
+        # the saved states; any other engine by its whole build id. A routed prefill's K/V depend on
+        # the routing code too (the patches marked unchanged are so for a dense prefill only): its
+        # state is keyed by the whole build id as well
+        current = self.engine.current and self.engine.repo_patchset and prefill_tag == "dense"
+        kv_state = repo_kv_state_id() if current else None
         return kvstate.StateKey(
             text_sha256=hashlib.sha256(text.encode()).hexdigest(),
             model_sha256=self.model.sha256,
@@ -205,8 +208,15 @@ class Session:
             type_k=self.kv_type,
             type_v=self.kv_type,
             template_hash=self.parts.template_hash,
-            prefill=(prefill or PrefillConfig()).state_tag(self.centroid_block),
+            prefill=prefill_tag,
         )
+
+    def prefill_tag(self, prefill: PrefillConfig, n_tokens: int | None = None) -> str:
+        """The prefill as a state key records it; a document of `n_tokens` that no ubatch of `prefill`
+        routes is keyed as the dense prefill it equals (None: whatever the document's length)."""
+        if n_tokens is not None and not prefill.routes_any(n_tokens, self.n_batch):
+            return "dense"
+        return prefill.state_tag(self.centroid_block, self.n_batch)
 
     def load_document(
         self,
@@ -230,7 +240,7 @@ class Session:
             self.llm = self._new_llama(n_ctx=n_ctx)
         self.n_prefix = 0
         self.doc_label = label
-        key = self.state_key(text, n_ctx, prefill)
+        key = self.state_key(text, n_ctx, self.prefill_tag(prefill, len(tokens)))
         start = time.perf_counter()
         rebuilt = None
 

@@ -171,6 +171,12 @@ def test_state_key_of_a_current_engine_is_its_kv_state_id():
     assert key.engine_build == f"kvstate:{kv_state_id(patch_files())}"
 
 
+def test_state_key_of_a_routed_prefill_is_the_whole_build_id():
+    repo = patchset.repo_patchset_id()
+    key = Session.state_key(_session(_engine(f"kvlocal:{repo}", repo)), "doc", 4096, "routed:top16")
+    assert key.engine_build == f"kvlocal:{repo}" and key.prefill == "routed:top16"
+
+
 @pytest.mark.parametrize("build_id, repo_patchset", [
     ("kvlocal:0123456789abcdef", "fedcba9876543210"),  # built from other patches: out of date
     ("kvlocal:0123456789abcdef", None),  # an install without the repository

@@ -66,6 +66,12 @@ def test_a_routed_prefill_is_saved_and_found_apart_from_the_dense_one(tiny_model
     assert not other.cache_hit  # its budget shapes the K/V bytes too
 
 
+def test_a_document_no_ubatch_routes_is_keyed_as_the_dense_prefill_it_equals(tiny_model, cache_dir):
+    _, dense = prefill_logits(tiny_model, PrefillConfig(), use_cache=True)
+    _, late = prefill_logits(tiny_model, PrefillConfig(mode="routed", top_k=1, start=dense.n_tokens), use_cache=True)
+    assert late.cache_hit  # every ubatch starts before the routed prefill's start: the dense state is it
+
+
 def test_a_prefill_leaves_the_answer_its_own_route(tiny_model):
     session = Session(str(tiny_model), threads=2, n_batch=N_BATCH)
     try:

@@ -273,6 +273,12 @@ RULES: dict[str, Rule] = {
     "two64/4x32+keep.7": persistent_rule(two_level_rule(64, 4, 32), 0.7),
     "two64/4x32+keep.97": persistent_rule(two_level_rule(64, 4, 32), 0.97),
     "two64/8x32+keep.9": persistent_rule(two_level_rule(64, 8, 32), 0.9),
+    # the default's scoring at 8k / 32k (an automatic shortlist: an eighth of the regions), a larger
+    # shortlist, and no shortlist at all (every 8-token centroid)
+    "two64/8x16+keep.9": persistent_rule(two_level_rule(64, 8, 16), 0.9),
+    "two64/8x64+keep.9": persistent_rule(two_level_rule(64, 8, 64), 0.9),
+    "two64/8x128+keep.9": persistent_rule(two_level_rule(64, 8, 128), 0.9),
+    "mean8+keep.9": persistent_rule(mean_rule(8), 0.9),
     "mean4+keep.9": persistent_rule(mean_rule(4), 0.9),
     "two64/4x32+sum.9": persistent_rule(two_level_rule(64, 4, 32), 0.9, "sum"),
     "two64/4x32+sum.7": persistent_rule(two_level_rule(64, 4, 32), 0.7, "sum"),

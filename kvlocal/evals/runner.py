@@ -144,7 +144,7 @@ def run_grid(
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = load_rows(out)
     done = {row_key(r) for r in rows}
-    prefill_tag = config.prefill.state_tag(session.centroid_block)
+    prefill_tag = session.prefill_tag(config.prefill)
     for length in config.lengths:
         for task in config.tasks:
             for seed in config.seeds:
@@ -192,7 +192,7 @@ def _load(session: Session, case: Case, length: int, seed: int, prefill: Prefill
             "prefill_tps": None if result.cache_hit else result.rate,
             "prefill_s": None if result.cache_hit else result.seconds,
             "prefill_reduction": result.reads.reduction if result.reads else None,
-            "prefill": prefill.state_tag(session.centroid_block)}
+            "prefill": session.prefill_tag(prefill)}
 
 
 def _ask(session, case, index, probe, route, config, length, seed, haystack_name, loaded) -> dict:
