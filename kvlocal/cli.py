@@ -20,6 +20,7 @@ from kvlocal.route_settings import (
     DEFAULT_PREFILL as PREFILL,
     DEFAULT_PREFILL_FROM as PREFILL_FROM,
     DEFAULT_PREFILL_TOP_K as PREFILL_TOP_K,
+    DEFAULT_PREFILL_UBATCH as PREFILL_UBATCH,
     DEFAULT_QUESTION as QUESTION,
     DEFAULT_QUESTION_TOP_K as QUESTION_TOP_K,
     DEFAULT_REGION as REGION,
@@ -152,6 +153,9 @@ PrefillOpt = Annotated[str, typer.Option(
 PrefillTopKOpt = Annotated[int, typer.Option(
     "--prefill-top-k", min=1, max=MAX_TOP_K, help="Regions of 64 tokens per layer and KV head that a routed prefill's "
     "ubatch reads.")]
+PrefillUbatchOpt = Annotated[int, typer.Option(
+    "--prefill-ubatch", min=1, max=MAX_CTX, help="Tokens per routed ubatch (at most 512): the queries of one "
+    "ubatch choose one set of regions, so a smaller ubatch chooses for fewer tokens at a time.")]
 PrefillFromOpt = Annotated[int, typer.Option(
     "--prefill-from", min=0, max=MAX_CTX, help="Tokens of the document prefilled densely before a routed prefill "
     "starts routing.")]
@@ -179,10 +183,10 @@ def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: i
     return config
 
 
-def _prefill(prefill: str, top_k: int = PREFILL_TOP_K, start: int = PREFILL_FROM):
+def _prefill(prefill: str, top_k: int = PREFILL_TOP_K, start: int = PREFILL_FROM, ubatch: int = PREFILL_UBATCH):
     from kvlocal.routing import PrefillConfig
 
-    return PrefillConfig(mode=prefill, top_k=top_k, start=start)
+    return PrefillConfig(mode=prefill, top_k=top_k, start=start, ubatch=ubatch)
 
 
 def _check_out_file(path: Path) -> None:
@@ -275,6 +279,7 @@ def ask(
     prefill: PrefillOpt = PREFILL,
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
+    prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
@@ -283,7 +288,7 @@ def ask(
 
     route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate, question_pass,
                        question_top_k)
-    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from)
+    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch)
     question = _text_arg(question)  # the document stays as given: a path
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
@@ -391,9 +396,10 @@ def tui(
     prefill: PrefillOpt = PREFILL,
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
+    prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
 ) -> None:
     """The interactive app: load, ask, and watch which KV regions each step reads."""
-    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from)
+    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch)
     _check_terminal()  # before textual is imported
     from kvlocal.tui.app import run_app
 
@@ -489,6 +495,7 @@ def eval_(
     prefill: PrefillOpt = PREFILL,
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
+    prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
@@ -513,7 +520,7 @@ def eval_(
         seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks,
         sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K),
         shortlist=shortlist, keep=keep, estimate=estimate, question=question_pass, question_top_k=question_top_k,
-        max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from),
+        max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch),
     )
     for mode in config.modes:
         _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate, question_pass,
@@ -656,6 +663,7 @@ def bench(
     prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", help="Context lengths whose haystack is prefilled twice, dense then routed (--prefill-top-k, --prefill-from), neither from the cache; 'none' skips this (a 32k dense prefill takes about half an hour on 2 cores).")] = "8k,16k,32k",
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
+    prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
@@ -670,7 +678,7 @@ def bench(
                    question_pass, question_top_k)
     context_lengths = _lengths(lengths)
     prefill_context = [] if prefill_lengths.strip().lower() == "none" else _lengths(prefill_lengths)
-    prefill_cfg = _prefill("routed", prefill_top_k, prefill_from)
+    prefill_cfg = _prefill("routed", prefill_top_k, prefill_from, prefill_ubatch)
     if out:
         _check_out_file(out)
     session = _open_session(model, None, threads, "f16", centroid_block)

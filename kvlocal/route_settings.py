@@ -83,6 +83,7 @@ PREFILL_MODES = ("dense", "routed")
 DEFAULT_PREFILL = "dense"
 DEFAULT_PREFILL_TOP_K = 16
 DEFAULT_PREFILL_FROM = 4096
+DEFAULT_PREFILL_UBATCH = 512  # tokens per routed ubatch (at most the context's ubatch): one selection each
 PREFILL_SHORTLIST_SHARE = 4
 
 # -- bounds -----------------------------------------------------------------------------------------

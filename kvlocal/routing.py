@@ -19,6 +19,7 @@ from kvlocal.route_settings import (
     DEFAULT_PREFILL,
     DEFAULT_PREFILL_FROM,
     DEFAULT_PREFILL_TOP_K,
+    DEFAULT_PREFILL_UBATCH,
     DEFAULT_QUESTION,
     DEFAULT_QUESTION_TOP_K,
     DEFAULT_REGION,
@@ -184,6 +185,7 @@ class PrefillConfig:
     mode: str = DEFAULT_PREFILL
     top_k: int = DEFAULT_PREFILL_TOP_K
     start: int = DEFAULT_PREFILL_FROM  # document tokens before the first routed ubatch
+    ubatch: int = DEFAULT_PREFILL_UBATCH  # tokens per routed ubatch: its queries choose one set of regions
 
     def __post_init__(self) -> None:
         if self.mode not in PREFILL_MODES:
@@ -195,6 +197,9 @@ class PrefillConfig:
         if not 0 <= self.start <= MAX_WINDOW:
             raise UsageError(f"the routed prefill's start must be between 0 and {MAX_WINDOW:,} tokens "
                              f"(got {self.start})", setting="prefill_from")
+        if not 1 <= self.ubatch <= MAX_WINDOW:
+            raise UsageError(f"the routed prefill's ubatch must be between 1 and {MAX_WINDOW:,} tokens "
+                             f"(got {self.ubatch})", setting="prefill_ubatch")
 
     @property
     def routed(self) -> bool:
@@ -210,10 +215,21 @@ class PrefillConfig:
         """Whether the ubatch whose first token sits at `pos` is routed."""
         return self.routed and pos >= self.start
 
+    def ubatches(self, n_tokens: int, n_batch: int) -> list[tuple[int, int, bool]]:
+        """(first, end, routed) of every ubatch of a document of `n_tokens` tokens: dense ones of
+        `n_batch` tokens, routed ones (from the start on) of the routed ubatch size, at most `n_batch`."""
+        out, pos = [], 0
+        while pos < n_tokens:
+            routed = self.routes_at(pos)
+            end = min(n_tokens, pos + (min(self.ubatch, n_batch) if routed else n_batch))
+            out.append((pos, end, routed))
+            pos = end
+        return out
+
     def routes_any(self, n_tokens: int, n_batch: int) -> bool:
-        """Whether any ubatch of a document of `n_tokens` tokens, prefilled `n_batch` at a time, is routed
-        (a document no longer than the start is prefilled exactly as a dense prefill would)."""
-        return any(self.routes_at(pos) for pos in range(0, n_tokens, n_batch))
+        """Whether any ubatch of a document of `n_tokens` tokens is routed (a document no longer than
+        the start is prefilled exactly as a dense prefill would)."""
+        return any(routed for _, _, routed in self.ubatches(n_tokens, n_batch))
 
     def state_tag(self, centroid_block: int, n_batch: int) -> str:
         """What the saved state's key (and an eval row) records of this prefill: "dense", or every
@@ -223,12 +239,14 @@ class PrefillConfig:
             return "dense"
         r = self.route()
         return (f"routed:top{self.top_k}:from{self.start}:region{r.region}:sinks{r.sinks}:window{r.window}"
-                f":shortlist{r.shortlist}:block{centroid_block}:ubatch{n_batch}")
+                f":shortlist{r.shortlist}:block{centroid_block}:ubatch{n_batch}"
+                + (f":routed-ubatch{self.ubatch}" if self.ubatch < n_batch else ""))
 
     def describe(self) -> str:
         if not self.routed:
             return "dense"
-        return f"routed (top-{self.top_k} regions per ubatch from token {self.start:,})"
+        size = f" of {self.ubatch} tokens" if self.ubatch != DEFAULT_PREFILL_UBATCH else ""
+        return f"routed (top-{self.top_k} regions per ubatch{size} from token {self.start:,})"
 
 
 @dataclass

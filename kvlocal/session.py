@@ -240,7 +240,10 @@ class Session:
             self.llm = self._new_llama(n_ctx=n_ctx)
         self.n_prefix = 0
         self.doc_label = label
-        key = self.state_key(text, n_ctx, self.prefill_tag(prefill, len(tokens)))
+        tag = self.prefill_tag(prefill, len(tokens))
+        if tag == "dense":
+            prefill = PrefillConfig()  # no ubatch of it would route: it is the dense prefill, and says so
+        key = self.state_key(text, n_ctx, tag)
         start = time.perf_counter()
         rebuilt = None
 
@@ -292,21 +295,21 @@ class Session:
         if prefill.routed:
             check_region_block(routed.region, self.centroid_block)
         try:
-            for i in range(0, len(tokens), self.n_batch):
+            for i, end, routes in prefill.ubatches(len(tokens), self.n_batch):
                 if cancel is not None and cancel.is_set():
                     raise CancelledError("cancelled: the document was not loaded")
                 # a routed ubatch reads the sinks, the window before it, itself and the regions its
                 # queries choose; the others (and every ubatch of a dense prefill) read every earlier cell
-                if prefill.routes_at(i):
+                if routes:
                     routed.apply(self.ctx, batch_top_k=prefill.top_k)
                 else:
                     dense.apply(self.ctx)
-                llm.eval(tokens[i : i + self.n_batch])
+                llm.eval(tokens[i:end])
                 stats = read_stats(self.ctx, with_regions=False)
                 if stats:
                     reads.add(stats)
                 if progress:
-                    progress(PrefillProgress(min(i + self.n_batch, len(tokens)), len(tokens), time.perf_counter() - start,
+                    progress(PrefillProgress(end, len(tokens), time.perf_counter() - start,
                                              prefill.mode))
         except KeyboardInterrupt:
             self._clear_kv()
