@@ -18,6 +18,7 @@ from kvlocal.route_settings import (
     DEFAULT_ESTIMATE as ESTIMATE,
     DEFAULT_KEEP as KEEP,
     DEFAULT_PREFILL as PREFILL,
+    DEFAULT_PREFILL_ESTIMATE as PREFILL_ESTIMATE,
     DEFAULT_PREFILL_FROM as PREFILL_FROM,
     DEFAULT_PREFILL_TOP_K as PREFILL_TOP_K,
     DEFAULT_PREFILL_UBATCH as PREFILL_UBATCH,
@@ -156,6 +157,9 @@ PrefillTopKOpt = Annotated[int, typer.Option(
 PrefillUbatchOpt = Annotated[int, typer.Option(
     "--prefill-ubatch", min=1, max=MAX_CTX, help="Tokens per routed ubatch (at most 512): the queries of one "
     "ubatch choose one set of regions, so a smaller ubatch chooses for fewer tokens at a time.")]
+PrefillEstimateOpt = Annotated[bool, typer.Option(
+    "--prefill-estimate/--no-prefill-estimate", help="The regions a routed prefill's ubatch does not read still join "
+    "its attention, each as its mean key and mean value weighted by its token count (as --estimate does for decoding).")]
 PrefillFromOpt = Annotated[int, typer.Option(
     "--prefill-from", min=0, max=MAX_CTX, help="Tokens of the document prefilled densely before a routed prefill "
     "starts routing.")]
@@ -183,10 +187,11 @@ def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: i
     return config
 
 
-def _prefill(prefill: str, top_k: int = PREFILL_TOP_K, start: int = PREFILL_FROM, ubatch: int = PREFILL_UBATCH):
+def _prefill(prefill: str, top_k: int = PREFILL_TOP_K, start: int = PREFILL_FROM, ubatch: int = PREFILL_UBATCH,
+             estimate: bool = PREFILL_ESTIMATE):
     from kvlocal.routing import PrefillConfig
 
-    return PrefillConfig(mode=prefill, top_k=top_k, start=start, ubatch=ubatch)
+    return PrefillConfig(mode=prefill, top_k=top_k, start=start, ubatch=ubatch, estimate=estimate)
 
 
 def _check_out_file(path: Path) -> None:
@@ -280,6 +285,7 @@ def ask(
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
     prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
+    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
@@ -288,7 +294,7 @@ def ask(
 
     route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate, question_pass,
                        question_top_k)
-    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch)
+    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
     question = _text_arg(question)  # the document stays as given: a path
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
@@ -397,9 +403,10 @@ def tui(
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
     prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
+    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
 ) -> None:
     """The interactive app: load, ask, and watch which KV regions each step reads."""
-    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch)
+    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
     _check_terminal()  # before textual is imported
     from kvlocal.tui.app import run_app
 
@@ -496,6 +503,7 @@ def eval_(
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
     prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
+    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
@@ -520,7 +528,7 @@ def eval_(
         seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks,
         sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K),
         shortlist=shortlist, keep=keep, estimate=estimate, question=question_pass, question_top_k=question_top_k,
-        max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch),
+        max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate),
     )
     for mode in config.modes:
         _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate, question_pass,
@@ -664,6 +672,7 @@ def bench(
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
     prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
+    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
@@ -678,7 +687,7 @@ def bench(
                    question_pass, question_top_k)
     context_lengths = _lengths(lengths)
     prefill_context = [] if prefill_lengths.strip().lower() == "none" else _lengths(prefill_lengths)
-    prefill_cfg = _prefill("routed", prefill_top_k, prefill_from, prefill_ubatch)
+    prefill_cfg = _prefill("routed", prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
     if out:
         _check_out_file(out)
     session = _open_session(model, None, threads, "f16", centroid_block)

@@ -77,14 +77,18 @@ DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's
 # the window before it, itself and the PREFILL_TOP_K regions per layer and KV head that its queries
 # choose together (patch 0007's routed ubatch, the decode route's geometry: 64-token regions,
 # 64 sinks, a 128-token window, a shortlist of PREFILL_SHORTLIST_SHARE x top-k, no memory, no
-# estimate). A routed prefill
-# writes other K/V bytes than a dense one, so its saved state is keyed apart.
+# estimate). A routed prefill writes other K/V bytes than a dense one, so its saved state is keyed
+# apart. Dense stays the default: routed (top-16 from 4,096) loads a 32k document 3.2-3.7x faster and
+# 16k 2.0x and holds the 32k passkey grid (full decoding 85 % vs 74 % dense-prefilled, n=27), but it
+# loses look-alike facts (8k: 67 % vs 88 %, n=24; 16k: 31 % vs 69 %, n=16) (BENCHMARKS.md, "Loading
+# faster: routed prefill").
 PREFILL_MODES = ("dense", "routed")
 DEFAULT_PREFILL = "dense"
 DEFAULT_PREFILL_TOP_K = 16
 DEFAULT_PREFILL_FROM = 4096
 DEFAULT_PREFILL_UBATCH = 512  # tokens per routed ubatch (at most the context's ubatch): one selection each
 PREFILL_SHORTLIST_SHARE = 4
+DEFAULT_PREFILL_ESTIMATE = False  # the regions a routed ubatch does not read join it as their mean key and value
 
 # -- bounds -----------------------------------------------------------------------------------------
 # The largest values the CLI accepts (typer min/max: a usage error before any work) and RouteConfig

@@ -17,6 +17,7 @@ from kvlocal.route_settings import (
     DEFAULT_KEEP,
     DEFAULT_MODE,
     DEFAULT_PREFILL,
+    DEFAULT_PREFILL_ESTIMATE,
     DEFAULT_PREFILL_FROM,
     DEFAULT_PREFILL_TOP_K,
     DEFAULT_PREFILL_UBATCH,
@@ -186,6 +187,7 @@ class PrefillConfig:
     top_k: int = DEFAULT_PREFILL_TOP_K
     start: int = DEFAULT_PREFILL_FROM  # document tokens before the first routed ubatch
     ubatch: int = DEFAULT_PREFILL_UBATCH  # tokens per routed ubatch: its queries choose one set of regions
+    estimate: bool = DEFAULT_PREFILL_ESTIMATE  # unread regions join a routed ubatch as their mean key and value
 
     def __post_init__(self) -> None:
         if self.mode not in PREFILL_MODES:
@@ -209,7 +211,7 @@ class PrefillConfig:
         """The route a routed ubatch follows (a one-token last ubatch decodes through it as a step): the
         coarse centroids shortlist PREFILL_SHORTLIST_SHARE x top-k regions, their fine ones choose."""
         return RouteConfig(mode="geometric", top_k=self.top_k, shortlist=min(MAX_SHORTLIST, PREFILL_SHORTLIST_SHARE * self.top_k),
-                           keep=0.0, estimate=False)
+                           keep=0.0, estimate=self.estimate)
 
     def routes_at(self, pos: int) -> bool:
         """Whether the ubatch whose first token sits at `pos` is routed."""
@@ -240,13 +242,14 @@ class PrefillConfig:
         r = self.route()
         return (f"routed:top{self.top_k}:from{self.start}:region{r.region}:sinks{r.sinks}:window{r.window}"
                 f":shortlist{r.shortlist}:block{centroid_block}:ubatch{n_batch}"
-                + (f":routed-ubatch{self.ubatch}" if self.ubatch < n_batch else ""))
+                + (f":routed-ubatch{self.ubatch}" if self.ubatch < n_batch else "") + (":estimate" if self.estimate else ""))
 
     def describe(self) -> str:
         if not self.routed:
             return "dense"
         size = f" of {self.ubatch} tokens" if self.ubatch != DEFAULT_PREFILL_UBATCH else ""
-        return f"routed (top-{self.top_k} regions per ubatch{size} from token {self.start:,})"
+        estimate = ", unread regions estimated" if self.estimate else ""
+        return f"routed (top-{self.top_k} regions per ubatch{size} from token {self.start:,}{estimate})"
 
 
 @dataclass
