@@ -210,8 +210,8 @@ class PrefillConfig:
     def route(self) -> RouteConfig:
         """The route a routed ubatch follows (a one-token last ubatch decodes through it as a step): the
         coarse centroids shortlist PREFILL_SHORTLIST_SHARE x top-k regions, their fine ones choose."""
-        return RouteConfig(mode="geometric", top_k=self.top_k, shortlist=min(MAX_SHORTLIST, PREFILL_SHORTLIST_SHARE * self.top_k),
-                           keep=0.0, estimate=self.estimate)
+        shortlist = min(MAX_SHORTLIST, PREFILL_SHORTLIST_SHARE * self.top_k)
+        return RouteConfig(mode="geometric", top_k=self.top_k, shortlist=shortlist, keep=0.0, estimate=self.estimate)
 
     def routes_at(self, pos: int) -> bool:
         """Whether the ubatch whose first token sits at `pos` is routed."""
@@ -242,7 +242,8 @@ class PrefillConfig:
         r = self.route()
         return (f"routed:top{self.top_k}:from{self.start}:region{r.region}:sinks{r.sinks}:window{r.window}"
                 f":shortlist{r.shortlist}:block{centroid_block}:ubatch{n_batch}"
-                + (f":routed-ubatch{self.ubatch}" if self.ubatch < n_batch else "") + (":estimate" if self.estimate else ""))
+                + (f":routed-ubatch{self.ubatch}" if self.ubatch < n_batch else "")
+                + (":estimate" if self.estimate else ""))
 
     def describe(self) -> str:
         if not self.routed:
