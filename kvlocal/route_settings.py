@@ -79,9 +79,9 @@ DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's
 # 64 sinks, a 128-token window, a shortlist of PREFILL_SHORTLIST_SHARE x top-k, no memory, no
 # estimate). A routed prefill writes other K/V bytes than a dense one, so its saved state is keyed
 # apart. Dense stays the default: routed (top-16 from 4,096) loads a 32k document 3.2-3.7x faster and
-# 16k 2.0x and holds the 32k passkey grid (full decoding 85 % vs 74 % dense-prefilled, n=27), but it
-# loses look-alike facts (8k: 67 % vs 88 %, n=24; 16k: 31 % vs 69 %, n=16) (BENCHMARKS.md, "Loading
-# faster: routed prefill").
+# 16k 2.0x and holds the 32k passkey grid (full decoding 85 % [68-94] vs 74 % [55-87] dense-prefilled,
+# n=27), but it loses look-alike facts (8k: 67 % [47-82] vs 88 % [69-96], n=24; 16k: 31 % [14-56] vs
+# 69 % [44-86], n=16) (BENCHMARKS.md, "Loading faster: routed prefill").
 PREFILL_MODES = ("dense", "routed")
 DEFAULT_PREFILL = "dense"
 DEFAULT_PREFILL_TOP_K = 16

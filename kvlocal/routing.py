@@ -30,6 +30,7 @@ from kvlocal.route_settings import (
     DEFAULT_SINKS,
     DEFAULT_TOP_K,
     DEFAULT_WINDOW,
+    MAX_CTX,
     MAX_REGION,
     MAX_SEED,
     MAX_SHORTLIST,
@@ -196,11 +197,11 @@ class PrefillConfig:
         if not 1 <= self.top_k <= MAX_TOP_K:
             raise UsageError(f"the regions a routed prefill reads per ubatch must be between 1 and {MAX_TOP_K:,} "
                              f"(got {self.top_k})", setting="prefill_top_k")
-        if not 0 <= self.start <= MAX_WINDOW:
-            raise UsageError(f"the routed prefill's start must be between 0 and {MAX_WINDOW:,} tokens "
+        if not 0 <= self.start <= MAX_CTX:
+            raise UsageError(f"the routed prefill's start must be between 0 and {MAX_CTX:,} tokens "
                              f"(got {self.start})", setting="prefill_from")
-        if not 1 <= self.ubatch <= MAX_WINDOW:
-            raise UsageError(f"the routed prefill's ubatch must be between 1 and {MAX_WINDOW:,} tokens "
+        if not 1 <= self.ubatch <= MAX_CTX:
+            raise UsageError(f"the routed prefill's ubatch must be between 1 and {MAX_CTX:,} tokens "
                              f"(got {self.ubatch})", setting="prefill_ubatch")
 
     @property

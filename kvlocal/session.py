@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlocal import kvstate
-from kvlocal.answer import Answer, AnswerPiece, AnswerSummary
+from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, ReadTotals
 from kvlocal.engine import llama_cpp, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.models import ResolvedModel, resolve_model
@@ -68,25 +68,20 @@ class LoadResult:
         return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclass
-class PrefillReads:
-    """K/V and metadata bytes the prefill's ubatches read, as the engine counted them, against what
-    reading every earlier cell would have cost."""
+@dataclass(kw_only=True)
+class PrefillReads(ReadTotals):
+    """What the prefill's ubatches read, as the engine counted them (a step is a ubatch), against
+    what reading every earlier cell would have cost."""
 
-    ubatches: int = 0
     ubatches_routed: int = 0
-    bytes_read: int = 0
-    bytes_dense: int = 0
-
-    def add(self, stats: ReadStats) -> None:
-        self.ubatches += 1
-        self.ubatches_routed += stats.n_layer_routed > 0
-        self.bytes_read += stats.bytes_read
-        self.bytes_dense += stats.bytes_dense
 
     @property
-    def reduction(self) -> float:
-        return self.bytes_dense / self.bytes_read if self.bytes_read else 1.0
+    def ubatches(self) -> int:
+        return self.steps
+
+    def add(self, stats: ReadStats) -> None:
+        super().add(stats)
+        self.ubatches_routed += stats.n_layer_routed > 0
 
 
 MAX_TEMPERATURE = 10.0
@@ -295,15 +290,17 @@ class Session:
         if prefill.routed:
             check_region_block(routed.region, self.centroid_block)
         try:
+            dense.apply(self.ctx)
+            routing = False
             for i, end, routes in prefill.ubatches(len(tokens), self.n_batch):
                 if cancel is not None and cancel.is_set():
                     raise CancelledError("cancelled: the document was not loaded")
                 # a routed ubatch reads the sinks, the window before it, itself and the regions its
-                # queries choose; the others (and every ubatch of a dense prefill) read every earlier cell
-                if routes:
+                # queries choose; the others (and every ubatch of a dense prefill) read every earlier cell.
+                # The routed ubatches follow the dense ones, so the route is set once, at the first
+                if routes and not routing:
                     routed.apply(self.ctx, batch_top_k=prefill.top_k)
-                else:
-                    dense.apply(self.ctx)
+                    routing = True
                 llm.eval(tokens[i:end])
                 stats = read_stats(self.ctx, with_regions=False)
                 if stats:

@@ -52,7 +52,7 @@ def test_load_summary_says_how_the_document_got_there():
     assert load_summary(LoadResult(1000, 2048, False, 4.0, saved=True)) == (
         "document: 1,000 tokens, context 2,048; prefilled in 4.0 s (250 tok/s), state saved")
     routed = PrefillConfig(mode="routed", top_k=8, start=4096)
-    reads = PrefillReads(ubatches=60, ubatches_routed=52, bytes_read=2 * 1024**3, bytes_dense=10 * 1024**3)
+    reads = PrefillReads(steps=60, ubatches_routed=52, bytes_read=2 * 1024**3, bytes_dense=10 * 1024**3)
     assert load_summary(LoadResult(30000, 31000, False, 400.0, saved=True, prefill=routed, reads=reads)) == (
         "document: 30,000 tokens, context 31,000; prefilled routed (top-8 regions per ubatch from token 4,096) "
         "in 400.0 s (75 tok/s); 52 of 60 ubatches routed, attention read 2.0 GiB vs 10.0 GiB dense = 5.0x fewer "

@@ -54,13 +54,16 @@ def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, 
     return best
 
 
+def _haystack(session: Session, length: int) -> str:
+    """The eval grid's passkey haystack of seed 0, so a state saved by `kvlocal eval` is reused."""
+    return make_case(session, "passkey", length, list(DEFAULT_DEPTHS), 0).text
+
+
 def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n_tokens: int = 48,
                   repeats: int = 2, log: Callable[[str], None] = print) -> list[LengthResult]:
     results = []
     for length in lengths:
-        # the eval grid's passkey haystack, so a state saved by `kvlocal eval` is reused
-        case = make_case(session, "passkey", length, list(DEFAULT_DEPTHS), 0)
-        loaded = session.load_document(case.text, label=f"bench {length}")
+        loaded = session.load_document(_haystack(session, length), label=f"bench {length}")
         log(f"bench {length}: {loaded.n_tokens:,} tokens ({'cache hit' if loaded.cache_hit else 'prefilled'})")
         question = "Write a detailed summary of the document, section by section."
         res = LengthResult(length, loaded.n_tokens, session.kv_bytes())
@@ -92,10 +95,10 @@ def bench_prefill(session: Session, lengths: list[int], prefill: PrefillConfig, 
     """Seconds to prefill the eval grid's passkey haystack of each length, dense then routed."""
     results = []
     for length in lengths:
-        case = make_case(session, "passkey", length, list(DEFAULT_DEPTHS), 0)
-        dense = session.load_document(case.text, label=f"bench prefill {length}", use_cache=False)
+        text = _haystack(session, length)
+        dense = session.load_document(text, label=f"bench prefill {length}", use_cache=False)
         log(f"prefill {length}: {dense.n_tokens:,} tokens dense in {dense.seconds:.1f} s ({dense.rate:,.1f} tok/s)")
-        routed = session.load_document(case.text, label=f"bench prefill {length}", use_cache=False, prefill=prefill)
+        routed = session.load_document(text, label=f"bench prefill {length}", use_cache=False, prefill=prefill)
         reduction = routed.reads.reduction if routed.reads else 1.0
         log(f"prefill {length}: routed in {routed.seconds:.1f} s ({routed.rate:,.1f} tok/s), "
             f"{dense.seconds / max(routed.seconds, 1e-9):.2f}x faster, {reduction:.1f}x fewer attention bytes")

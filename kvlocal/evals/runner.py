@@ -158,7 +158,7 @@ def run_grid(
                 ]
                 if not todo:
                     continue
-                loaded = _load(session, case, length, seed, config.prefill, log)
+                loaded = _load(session, case, length, seed, config.prefill, prefill_tag, log)
                 for i, probe, route in todo:
                     row = _ask(session, case, i, probe, route, config, length, seed, haystack_name, loaded)
                     append_row(out, row)
@@ -181,7 +181,7 @@ def _key(length, task, seed, probe_index, route, haystack_name, centroid_block, 
                     "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag})
 
 
-def _load(session: Session, case: Case, length: int, seed: int, prefill: PrefillConfig, log) -> dict:
+def _load(session: Session, case: Case, length: int, seed: int, prefill: PrefillConfig, prefill_tag: str, log) -> dict:
     start = time.perf_counter()
     result = session.load_document(case.text, label=f"eval {case.task} {length} seed {seed}", prefill=prefill)
     how = "cache hit" if result.cache_hit else f"{prefill.mode} prefill {result.rate:,.0f} tok/s"
@@ -190,9 +190,8 @@ def _load(session: Session, case: Case, length: int, seed: int, prefill: Prefill
     log(f"haystack {case.task} {length} seed {seed}: {result.n_tokens:,} tokens, {how} ({time.perf_counter() - start:.1f} s)")
     return {"n_tokens": result.n_tokens, "cache_hit": result.cache_hit,
             "prefill_tps": None if result.cache_hit else result.rate,
-            "prefill_s": None if result.cache_hit else result.seconds,
             "prefill_reduction": result.reads.reduction if result.reads else None,
-            "prefill": session.prefill_tag(prefill)}
+            "prefill": prefill_tag}
 
 
 def _ask(session, case, index, probe, route, config, length, seed, haystack_name, loaded) -> dict:
@@ -215,7 +214,6 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "n_tokens": loaded["n_tokens"],
         "prefill": loaded["prefill"],
         "prefill_tps": loaded["prefill_tps"],
-        "prefill_s": loaded["prefill_s"],
         "prefill_reduction": loaded["prefill_reduction"],
         "decode_tps": summary.decode_rate,
         "steps": summary.steps,
