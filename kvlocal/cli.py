@@ -15,6 +15,7 @@ from kvlocal.errors import KvlocalError
 from kvlocal.route_settings import (
     CENTROID_BLOCKS,
     DEFAULT_CENTROID_BLOCK as CENTROID_BLOCK,
+    DEFAULT_CENTROID_TYPE as CENTROID_TYPE,
     DEFAULT_ESTIMATE as ESTIMATE,
     DEFAULT_KEEP as KEEP,
     DEFAULT_PREFILL as PREFILL,
@@ -108,6 +109,9 @@ CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", min=0, max=max(CENTROID_BLOCKS),
     help="Tokens per key centroid (4-256); a region is scored from region/block centroids, "
     "so a larger block reads fewer centroid bytes. 0 keeps no centroids: every step is dense.")]
+CentroidTypeOpt = Annotated[str, typer.Option(
+    "--centroid-type", help="Type the key centroids are kept in: f16, or q8_0 (about half the centroid bytes a "
+    "routed step scans).")]
 
 
 def _shortlist_value(text: str) -> int:
@@ -213,13 +217,20 @@ def _check_lengths_fit(session, lengths: list[int]) -> None:
                          f"{session.trained_ctx}")
 
 
-def _open_session(model, ctx, threads, kv_type, centroid_block=CENTROID_BLOCK):
+def _centroid_type(value: str) -> None:
+    """--centroid-type: a usage error (exit 2) before any work unless the engine keeps centroids so."""
+    from kvlocal.routing import check_centroid_type
+
+    check_centroid_type(value)
+
+
+def _open_session(model, ctx, threads, kv_type, centroid_block=CENTROID_BLOCK, centroid_type=CENTROID_TYPE):
     from kvlocal.progress import StatusLine, download_text
     from kvlocal.session import Session
 
     line = StatusLine()
     session = Session(
-        model, n_ctx=ctx, threads=threads, kv_type=kv_type, centroid_block=centroid_block,
+        model, n_ctx=ctx, threads=threads, kv_type=kv_type, centroid_block=centroid_block, centroid_type=centroid_type,
         model_progress=lambda d, t, s: line.show(download_text(d, t, s)),
     )
     line.done()
@@ -276,6 +287,7 @@ def ask(
     sinks: SinksOpt = SINKS,
     seed: SeedOpt = 0,
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
+    centroid_type: CentroidTypeOpt = CENTROID_TYPE,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
     estimate: EstimateOpt = ESTIMATE,
@@ -294,11 +306,12 @@ def ask(
 
     route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate, question_pass,
                        question_top_k)
+    _centroid_type(centroid_type)
     prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
     question = _text_arg(question)  # the document stays as given: a path
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
-    session = _open_session(model, ctx, threads, kv_type, centroid_block)
+    session = _open_session(model, ctx, threads, kv_type, centroid_block, centroid_type)
     _load(session, doc.text, doc.source, not no_cache, prefill_cfg)
     _stream_answer(session, question, route=route_cfg, max_tokens=max_tokens, temperature=temperature, seed=seed)
 
@@ -494,6 +507,7 @@ def eval_(
     window: WindowOpt = WINDOW,
     sinks: SinksOpt = SINKS,
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
+    centroid_type: CentroidTypeOpt = CENTROID_TYPE,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
     estimate: EstimateOpt = ESTIMATE,
@@ -533,6 +547,7 @@ def eval_(
     for mode in config.modes:
         _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate, question_pass,
                question_top_k)  # validates
+    _centroid_type(centroid_type)
     unknown = [t for t in config.tasks if t not in TASKS]
     if unknown or not config.tasks:
         raise UsageError(f"--tasks: {', '.join(unknown) or 'none given'}; choose from {', '.join(TASKS)}")
@@ -544,7 +559,7 @@ def eval_(
         if (out / name).is_dir():
             raise UsageError(f"--out {out}: {name} there is a folder")
     filler = load_document(haystack).text if haystack else None
-    session = _open_session(model, None, threads, "f16", centroid_block)
+    session = _open_session(model, None, threads, "f16", centroid_block, centroid_type)
     _check_lengths_fit(session, config.lengths)
     rows = run_grid(session, config, out / "results.jsonl", filler=filler,
                     haystack_name=str(haystack or ""), log=lambda line: err(f"kvlocal: {line}"))
@@ -662,6 +677,7 @@ def bench(
     window: WindowOpt = WINDOW,
     sinks: SinksOpt = SINKS,
     centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
+    centroid_type: CentroidTypeOpt = CENTROID_TYPE,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
     estimate: EstimateOpt = ESTIMATE,
@@ -685,12 +701,13 @@ def bench(
 
     route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate,
                    question_pass, question_top_k)
+    _centroid_type(centroid_type)
     context_lengths = _lengths(lengths)
     prefill_context = [] if prefill_lengths.strip().lower() == "none" else _lengths(prefill_lengths)
     prefill_cfg = _prefill("routed", prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
     if out:
         _check_out_file(out)
-    session = _open_session(model, None, threads, "f16", centroid_block)
+    session = _open_session(model, None, threads, "f16", centroid_block, centroid_type)
     _check_lengths_fit(session, context_lengths + prefill_context)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log)

@@ -29,6 +29,11 @@ DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 8
 
+# The type the centroids are kept in (llama_context_params.kv_centroid_type, patch 0009): f16, or
+# q8_0 at 34 bytes per 32 values instead of 64, so a routed step's centroid scan costs about half.
+CENTROID_TYPES = ("f16", "q8_0")
+DEFAULT_CENTROID_TYPE = "f16"
+
 # Two-level scoring (patch 0007): with a centroid block finer than 64 cells (the engine's
 # LLAMA_KV_CENT_COARSE_BLK) the cache also keeps one coarse centroid per 64 cells (the mean of its
 # fine ones); a step scores the coarse ones, shortlists this many regions and ranks only those by

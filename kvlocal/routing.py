@@ -13,6 +13,7 @@ from kvlocal.engine import RouteStatsC, llama_cpp, route_api
 from kvlocal.errors import UsageError
 from kvlocal.route_settings import (
     CENTROID_BLOCKS,
+    CENTROID_TYPES,
     DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
     DEFAULT_MODE,
@@ -70,6 +71,13 @@ def check_centroid_block(centroid_block: int) -> None:
     if centroid_block != 0 and centroid_block not in CENTROID_BLOCKS:
         raise UsageError(f"the centroid block must be one of {', '.join(map(str, CENTROID_BLOCKS))} tokens "
                          f"(got {centroid_block})", setting="centroid_block")
+
+
+def check_centroid_type(centroid_type: str) -> None:
+    """UsageError unless the engine can keep centroids in this type."""
+    if centroid_type not in CENTROID_TYPES:
+        raise UsageError(f"the centroid type must be one of {', '.join(CENTROID_TYPES)} (got {centroid_type!r})",
+                         setting="centroid_type")
 
 
 def check_region_block(region: int, centroid_block: int) -> None:
@@ -234,17 +242,18 @@ class PrefillConfig:
         the start is prefilled exactly as a dense prefill would)."""
         return any(routed for _, _, routed in self.ubatches(n_tokens, n_batch))
 
-    def state_tag(self, centroid_block: int, n_batch: int) -> str:
+    def state_tag(self, centroid_block: int, n_batch: int, centroid_type: str = "f16") -> str:
         """What the saved state's key (and an eval row) records of this prefill: "dense", or every
-        routed setting that shapes the K/V bytes, the centroid block and the ubatch size included (they
-        decide which regions are chosen, and which ubatches)."""
+        routed setting that shapes the K/V bytes, the centroid block and type and the ubatch size
+        included (they decide which regions are chosen, and which ubatches)."""
         if not self.routed:
             return "dense"
         r = self.route()
         return (f"routed:top{self.top_k}:from{self.start}:region{r.region}:sinks{r.sinks}:window{r.window}"
                 f":shortlist{r.shortlist}:block{centroid_block}:ubatch{n_batch}"
                 + (f":routed-ubatch{self.ubatch}" if self.ubatch < n_batch else "")
-                + (":estimate" if self.estimate else ""))
+                + (":estimate" if self.estimate else "")
+                + (f":centroids-{centroid_type}" if centroid_type != "f16" else ""))
 
     def describe(self) -> str:
         if not self.routed:

@@ -26,9 +26,9 @@ from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, Us
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
-from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK
+from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE
 from kvlocal.routing import (
-    PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_region_block, read_stats,
+    PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_centroid_type, check_region_block, read_stats,
 )
 
 KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
@@ -104,11 +104,13 @@ class Session:
         kv_type: str = "f16",
         n_batch: int = 512,
         centroid_block: int = DEFAULT_CENTROID_BLOCK,
+        centroid_type: str = DEFAULT_CENTROID_TYPE,
         model_progress: Callable[[int, int, str], None] | None = None,
     ) -> None:
         if kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
         check_centroid_block(centroid_block)
+        check_centroid_type(centroid_type)
         if threads is not None and not 1 <= threads <= MAX_THREADS:
             raise UsageError(f"the thread count must be between 1 and {MAX_THREADS} (got {threads})", setting="threads")
         self.engine = require_patched()
@@ -116,6 +118,7 @@ class Session:
         self.kv_type = kv_type
         self.n_batch = n_batch
         self.centroid_block = centroid_block
+        self.centroid_type = centroid_type
         self.threads = threads or default_threads()
         self.requested_ctx = n_ctx
         self.trained_ctx = int(self.model.info.context_length or 0) or 32768
@@ -149,6 +152,7 @@ class Session:
                 type_k=KV_TYPES[self.kv_type],
                 type_v=KV_TYPES[self.kv_type],
                 kv_centroid_block=self.centroid_block,  # fixed for the context's KV cache (patch 0003)
+                kv_centroid_type=KV_TYPES[self.centroid_type],  # and its type (patch 0009)
                 verbose=False,
             )
         except (ValueError, RuntimeError) as err:
@@ -211,7 +215,7 @@ class Session:
         routes is keyed as the dense prefill it equals (None: whatever the document's length)."""
         if n_tokens is not None and not prefill.routes_any(n_tokens, self.n_batch):
             return "dense"
-        return prefill.state_tag(self.centroid_block, self.n_batch)
+        return prefill.state_tag(self.centroid_block, self.n_batch, self.centroid_type)
 
     def load_document(
         self,

@@ -34,7 +34,7 @@ class RawContext:
     """A model + context made with the C API directly, so that cb_eval can be set."""
 
     def __init__(self, model_path: Path, n_ctx: int = 2048, kv_type: int = 1, recorder: GraphRecorder | None = None,
-                 centroid_block: int | None = None):
+                 centroid_block: int | None = None, centroid_type: int | None = None):
         m = llama_cpp()
         mparams = m.llama_model_default_params()
         self.model = m.llama_model_load_from_file(str(model_path).encode(), mparams)
@@ -50,6 +50,8 @@ class RawContext:
         cparams.type_v = kv_type
         if centroid_block is not None:
             cparams.kv_centroid_block = centroid_block
+        if centroid_type is not None:
+            cparams.kv_centroid_type = centroid_type
         if recorder is not None:
             cparams.cb_eval = recorder.callback
             cparams.cb_eval_user_data = None

@@ -95,6 +95,15 @@ def test_an_unknown_prefill_is_refused_before_any_work(no_engine, doc, tmp_path,
     assert_usage_error(result, "the prefill must be one of dense, routed (got 'sparse') (option --prefill)")
 
 
+@pytest.mark.parametrize("command", ["ask", "eval", "bench"])
+def test_an_unknown_centroid_type_is_refused_before_any_work(no_engine, doc, tmp_path, command):
+    args = {"ask": ["ask", str(doc), "What did post 1 read?"], "eval": ["eval", "--out", str(tmp_path / "ev")],
+            "bench": ["bench"]}[command]
+    result = run(*args, "--centroid-type", "q4_0")
+    assert_usage_error(result, "the centroid type must be one of f16, q8_0 (got 'q4_0') (option --centroid-type)")
+    assert not (tmp_path / "ev").exists()
+
+
 def test_ask_refuses_an_unknown_centroid_block_before_any_work(no_engine, doc):
     result = run("ask", str(doc), "What did post 1 read?", "--centroid-block", "5", "--region", "64")
     assert result.exit_code == 2, result.output

@@ -61,7 +61,8 @@ def describe(lib, ptr) -> dict:
     }
 
 
-def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: int = 1200, n_batch: int = 1) -> list[dict]:
+def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: int = 1200, n_batch: int = 1,
+                        centroid_type: int = F16) -> list[dict]:
     """The nodes of a decode step (n_batch 1) or of a routed batch of n_batch tokens (a question)."""
     lib = ggml_base()
     nodes: list[dict] = []
@@ -79,7 +80,7 @@ def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: in
 
     rec = _Rec()
     rec.callback = callback
-    raw = RawContext(model, n_ctx=2048, kv_type=kv_type, recorder=rec)
+    raw = RawContext(model, n_ctx=2048, kv_type=kv_type, recorder=rec, centroid_type=centroid_type)
     try:
         raw.decode([(i * 37) % 250 for i in range(n_doc)])
         route.apply(raw.ctx, batch_top_k=route.top_k if n_batch > 1 else 0)
@@ -102,9 +103,9 @@ def cuda_supports(n: dict) -> bool:
         return s[0]["type"] in {F32, F16, I32, Q8_0}
     if op == "SET_ROWS":  # f32 -> f16/f32/q8_0 with i32/i64 indices
         return n["type"] in {F32, F16, Q8_0} and s[0]["type"] == F32 and s[1]["type"] in {I32, I64}
-    if op in ("CPY", "CONT"):  # float <-> float, f32 <-> i32, f32 -> q8_0
+    if op in ("CPY", "CONT"):  # float <-> float, f32 <-> i32, f32 <-> q8_0
         pair = (s[0]["type"], n["type"])
-        return pair in {(a, b) for a in FLOATS for b in FLOATS} | {(F32, I32), (I32, F32), (F32, Q8_0)}
+        return pair in {(a, b) for a in FLOATS for b in FLOATS} | {(F32, I32), (I32, F32), (F32, Q8_0), (Q8_0, F32)}
     if op == "CONCAT":
         return s[0]["type"] == s[1]["type"] == n["type"] == F32
     if op == "TOP_K":  # without CUB (older toolkits) rows are limited to 1024
@@ -132,7 +133,7 @@ def metal_supports(n: dict) -> bool:
         return s[0]["type"] == F32 and n["type"] in {F32, F16, Q8_0}
     if op in ("CPY", "CONT"):
         src, dst = s[0]["type"], n["type"]
-        return (src == F32 and dst in {F32, F16, Q8_0, I32}) or (src == F16 and dst in FLOATS) or (
+        return (src == F32 and dst in {F32, F16, Q8_0, I32}) or (src in {F16, Q8_0} and dst in FLOATS) or (
             src == I32 and dst in {F32, I32}
         )
     if op == "CONCAT":
@@ -161,15 +162,20 @@ def iswa64(tmp_path_factory):
                                 seed=6)
 
 
+# (KV cache type, centroid type)
+TYPES = [(F16, F16), (Q8_0, F16), (F16, Q8_0)]
+
+
 @pytest.mark.parametrize("n_batch", [1, 9])  # a decode step; a question read as one routed batch
 @pytest.mark.parametrize("estimate", [False, True])
-@pytest.mark.parametrize("kv_type", [F16, Q8_0])
+@pytest.mark.parametrize("kv_type, centroid_type", TYPES)
 @pytest.mark.parametrize("mode", ["geometric", "window", "random"])
 @pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
-def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, iswa64, kv_type, mode, arch, estimate, n_batch):
+def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, iswa64, kv_type, centroid_type, mode, arch,
+                                                            estimate, n_batch):
     model = model64 if arch == "qwen2" else iswa64
     nodes = record_decode_graph(model, kv_type, RouteConfig(mode=mode, top_k=3, region=64, estimate=estimate),
-                                n_batch=n_batch)
+                                n_batch=n_batch, centroid_type=centroid_type)
     routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent"))]
     assert routed, "the decode step did not take the routed path"
     if estimate:
@@ -180,13 +186,13 @@ def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, iswa64, kv_
     assert not bad_metal, f"nodes Metal would not run: {bad_metal}"
 
 
-@pytest.mark.parametrize("kv_type", [F16, Q8_0])
+@pytest.mark.parametrize("kv_type, centroid_type", TYPES)
 @pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
-def test_a_routed_prefill_ubatch_is_supported_on_cuda_and_metal(model64, iswa64, kv_type, arch):
+def test_a_routed_prefill_ubatch_is_supported_on_cuda_and_metal(model64, iswa64, kv_type, centroid_type, arch):
     # a document's ubatch routed as PrefillConfig does it: many queries, causal inside the ubatch
     model = model64 if arch == "qwen2" else iswa64
     route = PrefillConfig(mode="routed", top_k=3).route()
-    nodes = record_decode_graph(model, kv_type, route, n_batch=128)
+    nodes = record_decode_graph(model, kv_type, route, n_batch=128, centroid_type=centroid_type)
     assert any(n["name"].startswith("kv_route_fattn") for n in nodes), "the ubatch did not take the routed path"
     bad = [(n["op"], n["name"]) for n in nodes if not (cuda_supports(n) and metal_supports(n))]
     assert not bad, f"nodes CUDA or Metal would not run: {bad}"
@@ -219,3 +225,6 @@ def test_backends_still_list_the_ops_we_use():
         body = body[: body.index("\n}\n")]
         listed = set(re.findall(r"case GGML_OP_([A-Z0-9_]+):", body))
         assert used <= listed, f"{path.name}: {sorted(used - listed)} no longer listed in {fn}"
+    # Q8_0 centroids (kv_centroid_type) are cast back to F32 for the estimate
+    cuda = (src / "ggml-cuda" / "ggml-cuda.cu").read_text()
+    assert "src0_type == GGML_TYPE_Q8_0 && src1_type == GGML_TYPE_F32" in cuda

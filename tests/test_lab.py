@@ -14,11 +14,13 @@ from kvlocal.evals.lab_rules import Geometry, Head, all_rule, mean_rule, replay,
 GEO = Geometry(region=4, sinks=4, window=4)
 
 
-def one_spike_head() -> Head:
-    """24 cells (6 regions of 4): all keys 0 except cell 9 = [10, 0]; one step at position 23, q = [1, 0]."""
-    keys = np.zeros((24, 2), np.float32)
-    keys[9] = [10.0, 0.0]
-    q = np.array([[[1.0, 0.0]]], np.float32)
+def one_spike_head(dim: int = 2) -> Head:
+    """24 cells (6 regions of 4): all keys 0 except cell 9 = [10, 0, ...]; one step at position 23,
+    q = [1, 0, ...]."""
+    keys = np.zeros((24, dim), np.float32)
+    keys[9, 0] = 10.0
+    q = np.zeros((1, 1, dim), np.float32)
+    q[0, 0, 0] = 1.0
     return Head(q=q, keys=keys, pos=np.array([23]), scale=1.0)
 
 
@@ -69,6 +71,20 @@ def test_two_level_scans_coarse_then_the_shortlist():
     r = replay(head, GEO, rule, [1], (9, 10))[1]
     assert bool(r.fact_hit[0, 0])
     assert r.rows_scan.tolist() == [6 + 2 * 2]
+
+
+def test_q8_0_centroids_keep_the_ranking_and_count_their_bytes():
+    head = one_spike_head(dim=32)  # Q8_0 blocks hold 32 values
+    r = replay(head, GEO, two_level_rule(4, 2, shortlist=2, kind="q8_0"), [1], (9, 10))[1]
+    assert bool(r.fact_hit[0, 0])
+    assert r.rows_scan.tolist() == [(6 + 2 * 2) * 34 / 64]  # 34 bytes per 32 values, not 64
+
+
+def test_q8_0_round_trip_by_hand():
+    x = np.zeros(32, np.float32)
+    x[0], x[1], x[2] = 127.0, -63.4, 0.3  # scale 1: values round to integers
+    assert lab_rules.quantize_q8_0(x)[:3].tolist() == [127.0, -63.0, 0.0]
+    assert lab_rules.quantize_q8_0(np.zeros(32, np.float32)).tolist() == [0.0] * 32
 
 
 def test_question_pins_keep_what_the_question_found():

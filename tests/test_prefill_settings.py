@@ -33,6 +33,10 @@ def test_the_state_tag_names_everything_that_shapes_a_routed_prefills_kv():
                             ({"estimate": True}, 8)]}
     assert len(tags) == 6
     assert PrefillConfig(mode="routed").state_tag(8, 512) != PrefillConfig(mode="routed").state_tag(8, 256)
+    # the centroids' type changes which regions are chosen; F16's tag stays what it was
+    routed = PrefillConfig(mode="routed")
+    assert routed.state_tag(8, 512, "q8_0") != routed.state_tag(8, 512) == routed.state_tag(8, 512, "f16")
+    assert "centroids" not in routed.state_tag(8, 512)
 
 
 @pytest.mark.parametrize("bad", [{"mode": "sparse"}, {"top_k": 0}, {"start": -1}, {"ubatch": 0}])

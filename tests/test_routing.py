@@ -79,10 +79,10 @@ def oracle_runs(raw: RawContext, steps: list[int], shortlist: int = 0, estimate:
 
 @pytest.mark.parametrize("estimate", [False, True])  # with every region read, nothing is left to estimate
 @pytest.mark.parametrize("shortlist", [0, 16])  # one scoring pass; two levels (coarse shortlist, fine choice)
-@pytest.mark.parametrize("kv_type, which", [(1, "tiny"), (8, "m64")])
-def test_all_regions_reproduce_dense(tiny_model, model64, kv_type, which, shortlist, estimate):
+@pytest.mark.parametrize("kv_type, which, centroid_type", [(1, "tiny", 1), (8, "m64", 1), (1, "m64", 8)])
+def test_all_regions_reproduce_dense(tiny_model, model64, kv_type, which, centroid_type, shortlist, estimate):
     path = tiny_model if which == "tiny" else model64
-    raw = RawContext(path, n_ctx=2048, kv_type=kv_type)
+    raw = RawContext(path, n_ctx=2048, kv_type=kv_type, centroid_type=centroid_type)
     try:
         dense, routed, small = oracle_runs(raw, doc_tokens(12, seed=1), shortlist, estimate)
     finally:
@@ -155,6 +155,39 @@ def test_geometric_stats_count_centroid_bytes(tiny_model):
                 assert len(set(chosen)) == len(chosen), "a region was gathered twice"
                 assert {0, 22, 23} <= set(chosen) and max(chosen) <= 23
     assert rnd.bytes_meta == 0
+
+
+def test_q8_0_centroids_scan_fewer_bytes_and_choose_alike(tiny_model, model64):
+    """kv_centroid_type = Q8_0 keeps the centroids in 34 bytes per 32 values instead of 64: the scan
+    counts exactly that, the gathered rows do not change, and the choice is nearly the F16 one. A
+    head size that is not whole Q8_0 blocks keeps F16; another type is refused."""
+    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=6, keep=0, estimate=False)
+    steps = doc_tokens(6, seed=4)
+    runs = {}
+    for name, centroid_type in (("f16", 1), ("q8_0", 8)):
+        raw = RawContext(model64, n_ctx=2048, centroid_type=centroid_type)
+        try:
+            raw.decode(doc_tokens(N_DOC))
+            runs[name] = decode_steps(raw, N_DOC, steps, route)
+        finally:
+            raw.close()
+    agree = []
+    for (_, a), (_, b) in zip(runs["f16"], runs["q8_0"]):
+        assert b.bytes_meta * 64 == a.bytes_meta * 34
+        assert b.bytes_kv == a.bytes_kv and b.rows_read == a.rows_read
+        agree.append(float(np.mean(np.sort(a.regions, axis=-1) == np.sort(b.regions, axis=-1))))
+    assert np.mean(agree) >= 0.9, agree
+    fallback = {}
+    for name, centroid_type in (("f16", 1), ("q8_0", 8)):
+        raw = RawContext(tiny_model, n_ctx=2048, centroid_type=centroid_type)  # head_dim 16
+        try:
+            raw.decode(doc_tokens(N_DOC))
+            [(_, fallback[name])] = decode_steps(raw, N_DOC, steps[:1], route)
+        finally:
+            raw.close()
+    assert fallback["q8_0"].bytes_meta == fallback["f16"].bytes_meta
+    with pytest.raises(RuntimeError, match="refused"):
+        RawContext(model64, n_ctx=2048, centroid_type=2)  # Q4_0
 
 
 @pytest.mark.parametrize("shortlist", [0, 6])

@@ -137,7 +137,7 @@ class RuleTotals:
     layer_out_err_est: dict = field(default_factory=lambda: defaultdict(list))
     layer_out_err: dict = field(default_factory=lambda: defaultdict(list))
     rows_read: int = 0
-    rows_scan: int = 0
+    rows_scan: float = 0.0  # in F16 key rows' bytes
     rows_dense: int = 0
 
 
@@ -202,7 +202,7 @@ def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group
         t.recall_far += rec
         t.layer_recall[il] += rec
         t.rows_read += int(r.rows_read.sum())
-        t.rows_scan += int(r.rows_scan.sum())
+        t.rows_scan += float(r.rows_scan.sum())
         t.rows_dense += int(r.rows_dense.sum())
         if r.out_err is not None:
             t.out_err += r.out_err.ravel().tolist()

@@ -78,10 +78,25 @@ def _pad_cells(keys: np.ndarray, multiple: int) -> np.ndarray:
     return np.concatenate([keys, np.zeros((n - keys.shape[0], keys.shape[1]), keys.dtype)])
 
 
-def block_means(keys: np.ndarray, block: int, n_regions: int, region: int) -> np.ndarray:
-    """[n_regions*region/block, dim] mean key of every block (as the engine keeps them, F16)."""
+# Bytes of one key-sized row of metadata per stored type, as a share of an F16 key row: F16 keeps 2
+# bytes a value; Q8_0 keeps blocks of 32 int8 values with one F16 scale (34 bytes per 32 values).
+ROW_SHARE = {"f16": 1.0, "q8_0": 34 / 64}
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Round-trip through ggml's Q8_0 (per 32 values: an F16 scale amax/127 and int8 values)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / 127.0).astype(np.float16).astype(np.float32)
+    q = np.round(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
+    return (q * d).reshape(x.shape)
+
+
+def block_means(keys: np.ndarray, block: int, n_regions: int, region: int, kind: str = "f16") -> np.ndarray:
+    """[n_regions*region/block, dim] mean key of every block, stored as the engine keeps them (F16 or Q8_0)."""
     k = _pad_cells(keys, region)[: n_regions * region]
     means = k.reshape(-1, block, k.shape[1]).mean(axis=1)
+    if kind == "q8_0":
+        return quantize_q8_0(means)
     return means.astype(np.float16).astype(np.float32)
 
 
@@ -95,14 +110,15 @@ def _n_regions(head: Head, geo: Geometry) -> int:
     return int(head.pos.max()) // geo.region + 1
 
 
-def mean_rule(block: int) -> Rule:
-    """Mean key of every `block` cells, raw q.c, max over the region's blocks and the group (main's rule)."""
+def mean_rule(block: int, kind: str = "f16") -> Rule:
+    """Mean key of every `block` cells, raw q.c, max over the region's blocks and the group (main's rule).
+    `kind`: the type the means are stored in (the scan counts its bytes)."""
 
     def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         n_reg = _n_regions(head, geo)
-        c = block_means(head.keys, block, n_reg, geo.region)
+        c = block_means(head.keys, block, n_reg, geo.region, kind)
         sc = _region_max(np.einsum("sgd,bd->sgb", head.q, c), geo.region // block)
-        scan = np.full(len(head.pos), n_reg * geo.region // block)
+        scan = np.full(len(head.pos), n_reg * geo.region // block * ROW_SHARE[kind])
         return sc, scan
 
     return rule
@@ -161,10 +177,11 @@ def sparq_rule(channels: int) -> Rule:
     return rule
 
 
-def two_level_rule(coarse: int, fine: int, shortlist: int) -> Rule:
+def two_level_rule(coarse: int, fine: int, shortlist: int, kind: str = "f16") -> Rule:
     """Coarse means (one per `coarse` cells) shortlist `shortlist` regions; fine means (one per `fine`
-    cells) rank only the shortlisted regions. Scan: all coarse means + the shortlist's fine means."""
-    coarse_rule, fine_rule = mean_rule(coarse), mean_rule(fine)
+    cells) rank only the shortlisted regions. Scan: all coarse means + the shortlist's fine means,
+    both stored as `kind`."""
+    coarse_rule, fine_rule = mean_rule(coarse, kind), mean_rule(fine, kind)
 
     def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         n_reg = _n_regions(head, geo)
@@ -176,7 +193,7 @@ def two_level_rule(coarse: int, fine: int, shortlist: int) -> Rule:
             n_short = min(shortlist, int(cand[i].sum()))
             keep[i, np.argsort(-sc0[i], kind="stable")[:n_short]] = True
         scan = n_reg * geo.region // coarse + np.minimum(shortlist, cand.sum(axis=1)) * (geo.region // fine)
-        return np.where(keep, sc1, NEG), scan
+        return np.where(keep, sc1, NEG), scan * ROW_SHARE[kind]
 
     return rule
 
@@ -279,6 +296,12 @@ RULES: dict[str, Rule] = {
     "two64/8x64+keep.9": persistent_rule(two_level_rule(64, 8, 64), 0.9),
     "two64/8x128+keep.9": persistent_rule(two_level_rule(64, 8, 128), 0.9),
     "mean8+keep.9": persistent_rule(mean_rule(8), 0.9),
+    # the same with the centroids stored as Q8_0 (34 bytes per 32 values instead of 64): does the
+    # shortlist double within the default's bytes, and what does the quantization cost?
+    "two64/8x64q8+keep.9": persistent_rule(two_level_rule(64, 8, 64, "q8_0"), 0.9),
+    "two64/8x128q8+keep.9": persistent_rule(two_level_rule(64, 8, 128, "q8_0"), 0.9),
+    "two64/8x160q8+keep.9": persistent_rule(two_level_rule(64, 8, 160, "q8_0"), 0.9),
+    "two64/4x64q8+keep.9": persistent_rule(two_level_rule(64, 4, 64, "q8_0"), 0.9),
     "mean4+keep.9": persistent_rule(mean_rule(4), 0.9),
     "two64/4x32+sum.9": persistent_rule(two_level_rule(64, 4, 32), 0.9, "sum"),
     "two64/4x32+sum.7": persistent_rule(two_level_rule(64, 4, 32), 0.7, "sum"),
@@ -305,7 +328,7 @@ class HeadResult:
     fact_hit: np.ndarray  # [steps, group] the region holding most of that mass was selected (or is fixed)
     fact_rank: np.ndarray  # [steps] rank of that region (of the group's best head) among the candidates
     rows_read: np.ndarray  # [steps] K/V rows gathered (cells of fixed + selected regions)
-    rows_scan: np.ndarray  # [steps] key-sized rows of metadata scanned
+    rows_scan: np.ndarray  # [steps] metadata scanned, in F16 key rows' bytes
     rows_dense: np.ndarray  # [steps] cells a dense step reads
     out_err: np.ndarray | None = None  # [answer steps, group] attention-output error over the document
     out_err_est: np.ndarray | None = None  # the same with the unread regions estimated from their means
@@ -411,6 +434,6 @@ def replay(head: Head, geo: Geometry, rule: Rule, budgets: Sequence[int], fact: 
         results[top_k] = HeadResult(
             tail=tail, got=(mass * sel[:, None, :]).sum(-1), fact_mass=fact_mass,
             fact_hit=np.take_along_axis(read, region_of, axis=1), fact_rank=fact_rank,
-            rows_read=(region_cells * read).sum(axis=1), rows_scan=scan.astype(np.int64), rows_dense=n_cells,
+            rows_read=(region_cells * read).sum(axis=1), rows_scan=scan.astype(np.float64), rows_dense=n_cells,
             out_err=errors[0], out_err_est=errors[1], out_err_var=errors[2])
     return results

@@ -108,7 +108,8 @@ def row_key(row: dict) -> tuple:
             row.get("keep", 0.0),  # ... and selected afresh at every step
             row.get("estimate", False),  # ... and dropped the unread regions' mass
             question_pass(row),  # ... and decoded the question token by token
-            row.get("prefill", "dense"))  # ... and prefilled the haystack densely
+            row.get("prefill", "dense"),  # ... and prefilled the haystack densely
+            row.get("centroid_type", "f16"))  # ... and kept the centroids in F16
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -153,7 +154,7 @@ def run_grid(
                     (i, probe, route)
                     for i, probe in enumerate(case.probes)
                     for route in config.routes()
-                    if _key(length, task, seed, i, route, haystack_name, session.centroid_block,
+                    if _key(length, task, seed, i, route, haystack_name, session,
                             answer_tokens(config, task), prefill_tag) not in done
                 ]
                 if not todo:
@@ -172,11 +173,12 @@ def run_grid(
     return rows
 
 
-def _key(length, task, seed, probe_index, route, haystack_name, centroid_block, max_tokens, prefill_tag) -> tuple:
+def _key(length, task, seed, probe_index, route, haystack_name, session, max_tokens, prefill_tag) -> tuple:
     """row_key of the row that asking this probe would write."""
     return row_key({"length": length, "task": task, "seed": seed, "probe": probe_index, "mode": route.mode,
                     "top_k": route.top_k, "region": route.region, "window": route.window, "sinks": route.sinks,
-                    "haystack": haystack_name, "centroid_block": centroid_block, "max_tokens": max_tokens,
+                    "haystack": haystack_name, "centroid_block": session.centroid_block,
+                    "centroid_type": session.centroid_type, "max_tokens": max_tokens,
                     "shortlist": route.shortlist, "keep": route.keep, "estimate": route.estimate,
                     "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag})
 
@@ -206,6 +208,7 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "haystack": haystack_name,
         **{k: v for k, v in asdict(route).items() if k != "seed"},
         "centroid_block": session.centroid_block,
+        "centroid_type": session.centroid_type,
         "shortlist_used": summary.route.shortlist,  # an automatic shortlist as resolved for this document
         "max_tokens": max_tokens,
         "score": score(probe, summary.text),
