@@ -128,12 +128,13 @@ def test_scoring_configurations_are_told_apart():
         _row("window", 0.0, bytes_read=50),
         dict(_row("geometric", 1.0, bytes_read=60), **default),
         dict(_row("geometric", 0.0, bytes_read=80), centroid_block=16, shortlist=0, keep=0.0),
+        dict(_row("geometric", 0.0, bytes_read=40), **dict(default, centroid_type="q8_0")),
     ]
     summary = report.summarize(rows)
     [geo] = [c for c in summary["cells"] if c["mode"] == "geometric"]
     assert geo["accuracy"] == 1.0
     labels = sorted(report.scoring_label(p) for p in summary["sweep"][0]["points"])
-    assert labels == ["", "/b16 steps"]
+    assert labels == sorted(["", f"/b{DEFAULT_CENTROID_BLOCK} s auto keep {DEFAULT_KEEP:g} dense q8_0", "/b16 steps"])
     table = report.points_markdown(summary)
     assert "| 4,096 | passkey | top-4, default scoring | 100% [21–100] (n=1) | 100% [21–100] (n=1) | 16.7x |" in table
     assert "| 4,096 | passkey | top-4, b16 steps | 0% [0–79] (n=1) |" in table

@@ -71,10 +71,10 @@ for (length, mode, k, q, geo, used), rows in sorted(groups.items(), key=lambda k
     if geo is None:
         route = "full" if mode == "full" else f"{mode} top-{k}"
     else:
-        blk, shortlist, keep, est, _ = geo
+        blk, shortlist, keep, est, _, ctype = geo
         shortlist = f"{used} (auto)" if shortlist == SHORTLIST_AUTO else shortlist
         route = (f"{mode} top-{k}, shortlist {shortlist}{'' if est else ', no estimate'}, block {blk}"
-                 + (f", keep {keep:g}" if keep != DEFAULT_KEEP else ""))
+                 + (f", keep {keep:g}" if keep != DEFAULT_KEEP else "") + (f", {ctype} centroids" if ctype != "f16" else ""))
     print(f"| {length:,} | {route} | {q} | {acc:.0%} [{lo * 100:.0f}–{hi * 100:.0f}] ({len(far)}) | {same_as_full(far)} | "
           f"{mean(r['reduction'] for r in rows):.1f}x | {mean(answer_reduction(r) for r in rows):.1f}x | "
           f"{step_mib(rows)} | {median(r['decode_tps'] for r in rows):.1f} |")
