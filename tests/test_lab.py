@@ -102,6 +102,22 @@ def test_question_pins_keep_what_the_question_found():
     assert pinned.rows_read.tolist() == plain.rows_read.tolist()  # a pin spends the budget, it does not add to it
 
 
+def test_question_memory_starts_the_answer_where_the_question_attended():
+    """Region 2 holds the key the question attends to beside its opposite (its mean scores 0, so
+    routing the question finds nothing); the answer step scores region 3 a little better than the
+    rest. Seeded with the question's exact attention mass (all on region 2), the memory keeps
+    region 2 for the answer; the plain memory does not."""
+    keys = np.zeros((24, 2), np.float32)
+    keys[9], keys[10] = [10.0, 0.0], [-10.0, 0.0]  # region 2
+    keys[13] = [0.0, 1.0]  # region 3, a weak match for the answer step
+    q = np.array([[[1.0, 0.0]], [[0.0, 1.0]]], np.float32)
+    head = Head(q=q, keys=keys, pos=np.array([22, 23]), scale=1.0, n_question=1)
+    plain = replay(head, GEO, lab_rules.persistent_rule(mean_rule(4), 0.9), [1], (9, 10))[1]
+    seeded = replay(head, GEO, lab_rules.question_memory_rule(mean_rule(4), 0.9), [1], (9, 10))[1]
+    assert plain.fact_hit[:, 0].tolist() == [False, False]
+    assert seeded.fact_hit[:, 0].tolist() == [False, True]
+
+
 def test_output_error_is_zero_when_everything_is_read_and_the_estimate_exact_for_flat_regions():
     rng = np.random.default_rng(1)
     n_doc, dim = 20, 4

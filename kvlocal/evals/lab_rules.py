@@ -250,6 +250,32 @@ def question_pin_rule(rule: Rule, pins: int, evidence: str = "scores") -> Rule:
     return wrapped
 
 
+def question_memory_rule(rule: Rule, gamma: float, seeded: bool = True) -> Rule:
+    """The selection memory seeded by a dense question pass: before the first answer step the memory
+    holds each candidate region's share of the exact attention mass of the question's steps (summed
+    over them and the group's heads, normalised over the candidates), then the answer's steps go on
+    as persistent_rule's: r_s = max(p_s, gamma * r_(s-1)). The question's own steps select as the
+    plain memory does (the engine reads the question densely). With seeded=False the memory starts
+    empty at the first answer step: what the engine does now (a question read in one batch neither
+    reads nor writes the memory)."""
+
+    def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        sc, scan = rule(head, geo, cand)
+        p = _softmax_over(sc, cand, head.scale)
+        mass = region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1)  # [s, r]
+        run = np.zeros_like(p)
+        prev = np.zeros(p.shape[1])
+        for i in range(p.shape[0]):
+            if head.n_question and i == head.n_question:
+                seed = mass[:head.n_question].sum(axis=0) * cand[i] if seeded else np.zeros_like(prev)
+                prev = seed / seed.sum() if seed.sum() > 0 else seed
+            prev = np.maximum(p[i], gamma * prev) * cand[i]
+            run[i] = prev
+        return np.where(cand, run, NEG), scan
+
+    return wrapped
+
+
 def oracle_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
     """Upper bound: the regions holding the most true attention mass, summed over the group."""
     return region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1), np.zeros(len(head.pos))
@@ -302,6 +328,15 @@ RULES: dict[str, Rule] = {
     "two64/8x128q8+keep.9": persistent_rule(two_level_rule(64, 8, 128, "q8_0"), 0.9),
     "two64/8x160q8+keep.9": persistent_rule(two_level_rule(64, 8, 160, "q8_0"), 0.9),
     "two64/4x64q8+keep.9": persistent_rule(two_level_rule(64, 4, 64, "q8_0"), 0.9),
+    "two64/4x128q8+keep.9": persistent_rule(two_level_rule(64, 4, 128, "q8_0"), 0.9),
+    # the memory seeded by what a dense question pass attends to (q-mem), beside pinning it (+qm2)
+    "two64/8x64+amem.9": question_memory_rule(two_level_rule(64, 8, 64), 0.9, seeded=False),
+    "two64/8x64+qmem.9": question_memory_rule(two_level_rule(64, 8, 64), 0.9),
+    "two64/8x64+qm2": question_pin_rule(persistent_rule(two_level_rule(64, 8, 64), 0.9), 2, "mass"),
+    "two64/8x16+amem.9": question_memory_rule(two_level_rule(64, 8, 16), 0.9, seeded=False),
+    "two64/8x16+qmem.9": question_memory_rule(two_level_rule(64, 8, 16), 0.9),
+    "two64/8x16+qm2": question_pin_rule(persistent_rule(two_level_rule(64, 8, 16), 0.9), 2, "mass"),
+    "two64/8x32+qmem.9": question_memory_rule(two_level_rule(64, 8, 32), 0.9),
     "mean4+keep.9": persistent_rule(mean_rule(4), 0.9),
     "two64/4x32+sum.9": persistent_rule(two_level_rule(64, 4, 32), 0.9, "sum"),
     "two64/4x32+sum.7": persistent_rule(two_level_rule(64, 4, 32), 0.7, "sum"),
