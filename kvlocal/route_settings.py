@@ -48,11 +48,9 @@ SHORTLIST_STEP = 16
 DEFAULT_SHORTLIST = SHORTLIST_AUTO
 
 
-def auto_shortlist(n_regions: int, centroid_type: str = "f16") -> int:
-    """The shortlist SHORTLIST_AUTO means for a document of `n_regions` regions: with Q8_0 centroids
-    (half the bytes each) twice as many regions for the same fine-centroid bytes."""
-    share = SHORTLIST_SHARE if centroid_type == "f16" else SHORTLIST_SHARE // 2
-    return SHORTLIST_STEP * max(1, math.ceil(n_regions / (share * SHORTLIST_STEP)))
+def auto_shortlist(n_regions: int) -> int:
+    """The shortlist SHORTLIST_AUTO means for a document of `n_regions` regions."""
+    return SHORTLIST_STEP * max(1, math.ceil(n_regions / (SHORTLIST_SHARE * SHORTLIST_STEP)))
 
 
 # Selection memory (patch 0007): a step's region scores become a softmax and a region keeps

@@ -140,18 +140,16 @@ class RouteConfig:
         """Regions a batch of question tokens routes to (0: the batch reads densely)."""
         return self.question_top_k if self.question == "routed" else 0
 
-    def for_document(self, n_tokens: int, centroid_type: str = "f16") -> RouteConfig:
-        """These settings with an automatic shortlist resolved for a document of `n_tokens` tokens
-        and centroids kept in `centroid_type`."""
+    def for_document(self, n_tokens: int) -> RouteConfig:
+        """These settings with an automatic shortlist resolved for a document of `n_tokens` tokens."""
         if self.shortlist != SHORTLIST_AUTO:
             return self
-        return replace(self, shortlist=auto_shortlist(-(-n_tokens // self.region), centroid_type))
+        return replace(self, shortlist=auto_shortlist(-(-n_tokens // self.region)))
 
     def apply(self, ctx: ctypes.c_void_p, *, batch_top_k: int = 0) -> None:
         """Set the context's routing. A batch of several tokens routes to `batch_top_k` regions, or
         reads densely with 0 (the default, so a document's prefill stays dense). An automatic
-        shortlist follows what the context holds now, as for F16 centroids (Session resolves it once
-        per answer, for the centroids' type)."""
+        shortlist follows what the context holds now (Session resolves it once per answer)."""
         shortlist = self.shortlist
         if shortlist == SHORTLIST_AUTO:
             module = llama_cpp()

@@ -440,8 +440,7 @@ class Session:
         if self.llm is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
         check_ask_settings(question, max_tokens, temperature, seed)
-        # an automatic shortlist, once per answer
-        route = (route or RouteConfig()).for_document(self.n_prefix, self.centroid_type)
+        route = (route or RouteConfig()).for_document(self.n_prefix)  # an automatic shortlist, once per answer
         check_region_block(route.region, self.centroid_block)
         module = llama_cpp()
         with self._lock:
