@@ -29,8 +29,12 @@ DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 8
 
-# The type the centroids are kept in (llama_context_params.kv_centroid_type, patch 0009): f16, or
+# The type the centroids are kept in (llama_context_params.kv_centroid_type, patch 0003): f16, or
 # q8_0 at 34 bytes per 32 values instead of 64, so a routed step's centroid scan costs about half.
+# f16 by default: q8_0 at the same shortlist found the same 32k needles and look-alike facts (18 of
+# 27, 6 of 24) at 43x fewer KV bytes instead of 33x, but one fact fewer at 16k and at 8k (17 and 19
+# of 24, near-copies); a doubled shortlist within f16's bytes was a wash (61 vs 62 of 99), so no
+# evidence yet that it answers as well (BENCHMARKS.md, "Session 2026-12-01 (6)").
 CENTROID_TYPES = ("f16", "q8_0")
 DEFAULT_CENTROID_TYPE = "f16"
 

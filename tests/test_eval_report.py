@@ -43,10 +43,11 @@ def test_sweep_counts_centroid_block_as_part_of_the_budget():
 
 
 def test_main_cells_use_the_default_scoring_when_others_ran_too():
-    from kvlocal.route_settings import DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_SHORTLIST
+    from kvlocal.route_settings import DEFAULT_CENTROID_TYPE, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_SHORTLIST
 
     default = dict(_row("geometric", 0.0, block=report.DEFAULT_CENTROID_BLOCK, bytes_read=80, bytes_meta=30),
-                   shortlist=DEFAULT_SHORTLIST, keep=DEFAULT_KEEP, estimate=DEFAULT_ESTIMATE)
+                   shortlist=DEFAULT_SHORTLIST, keep=DEFAULT_KEEP, estimate=DEFAULT_ESTIMATE,
+                   centroid_type=DEFAULT_CENTROID_TYPE)
     rows = [
         _row("full", 1.0, bytes_read=1000),
         _row("window", 0.0, bytes_read=50),
@@ -118,23 +119,27 @@ def test_scoring_configurations_are_told_apart():
     """Two-level scoring and the selection memory are part of a budget point; the default scoring
     makes the main cells and carries no label."""
     from kvlocal.route_settings import (
-        DEFAULT_CENTROID_BLOCK, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_QUESTION, DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST,
+        DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_QUESTION,
+        DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST,
     )
 
     default = {"centroid_block": DEFAULT_CENTROID_BLOCK, "shortlist": DEFAULT_SHORTLIST, "keep": DEFAULT_KEEP,
-               "estimate": DEFAULT_ESTIMATE, "question": DEFAULT_QUESTION, "question_top_k": DEFAULT_QUESTION_TOP_K}
+               "estimate": DEFAULT_ESTIMATE, "question": DEFAULT_QUESTION, "question_top_k": DEFAULT_QUESTION_TOP_K,
+               "centroid_type": DEFAULT_CENTROID_TYPE}
+    other_type = "f16" if DEFAULT_CENTROID_TYPE == "q8_0" else "q8_0"
     rows = [
         _row("full", 1.0, bytes_read=1000),
         _row("window", 0.0, bytes_read=50),
         dict(_row("geometric", 1.0, bytes_read=60), **default),
         dict(_row("geometric", 0.0, bytes_read=80), centroid_block=16, shortlist=0, keep=0.0),
-        dict(_row("geometric", 0.0, bytes_read=40), **dict(default, centroid_type="q8_0")),
+        dict(_row("geometric", 0.0, bytes_read=40), **dict(default, centroid_type=other_type)),
     ]
     summary = report.summarize(rows)
     [geo] = [c for c in summary["cells"] if c["mode"] == "geometric"]
     assert geo["accuracy"] == 1.0
     labels = sorted(report.scoring_label(p) for p in summary["sweep"][0]["points"])
-    assert labels == sorted(["", f"/b{DEFAULT_CENTROID_BLOCK} s auto keep {DEFAULT_KEEP:g} dense q8_0", "/b16 steps"])
+    other_label = f"/b{DEFAULT_CENTROID_BLOCK} s auto keep {DEFAULT_KEEP:g} dense" + (" q8_0" if other_type == "q8_0" else "")
+    assert labels == sorted(["", other_label, "/b16 steps"])
     table = report.points_markdown(summary)
     assert "| 4,096 | passkey | top-4, default scoring | 100% [21–100] (n=1) | 100% [21–100] (n=1) | 16.7x |" in table
     assert "| 4,096 | passkey | top-4, b16 steps | 0% [0–79] (n=1) |" in table

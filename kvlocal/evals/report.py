@@ -55,7 +55,8 @@ DEFAULT_SCORING = (DEFAULT_CENTROID_BLOCK, DEFAULT_SHORTLIST, DEFAULT_KEEP, DEFA
 
 
 def scoring_label(point: dict) -> str:
-    """'' for the default scoring, else e.g. '/b16' or '/b4 s32 keep 0.9 est steps q8_0'."""
+    """'' for the default scoring, else e.g. '/b16' or '/b4 s32 keep 0.9 est steps q8_0' (the centroid
+    type named unless it is f16, the type of every row written before it was recorded)."""
     b, s, k, e = point["centroid_block"], point.get("shortlist", 0), point.get("keep", 0.0), point.get("estimate", False)
     q, t = point.get("question", "steps"), point.get("centroid_type", "f16")
     if (b, s, k, e, q, t) == DEFAULT_SCORING:
