@@ -328,7 +328,6 @@ RULES: dict[str, Rule] = {
     "two64/8x128q8+keep.9": persistent_rule(two_level_rule(64, 8, 128, "q8_0"), 0.9),
     "two64/8x160q8+keep.9": persistent_rule(two_level_rule(64, 8, 160, "q8_0"), 0.9),
     "two64/4x64q8+keep.9": persistent_rule(two_level_rule(64, 4, 64, "q8_0"), 0.9),
-    "two64/4x128q8+keep.9": persistent_rule(two_level_rule(64, 4, 128, "q8_0"), 0.9),
     # the memory seeded by what a dense question pass attends to (q-mem), beside pinning it (+qm2)
     "two64/8x64+amem.9": question_memory_rule(two_level_rule(64, 8, 64), 0.9, seeded=False),
     "two64/8x64+qmem.9": question_memory_rule(two_level_rule(64, 8, 64), 0.9),
@@ -336,7 +335,6 @@ RULES: dict[str, Rule] = {
     "two64/8x16+amem.9": question_memory_rule(two_level_rule(64, 8, 16), 0.9, seeded=False),
     "two64/8x16+qmem.9": question_memory_rule(two_level_rule(64, 8, 16), 0.9),
     "two64/8x16+qm2": question_pin_rule(persistent_rule(two_level_rule(64, 8, 16), 0.9), 2, "mass"),
-    "two64/8x32+qmem.9": question_memory_rule(two_level_rule(64, 8, 32), 0.9),
     "mean4+keep.9": persistent_rule(mean_rule(4), 0.9),
     "two64/4x32+sum.9": persistent_rule(two_level_rule(64, 4, 32), 0.9, "sum"),
     "two64/4x32+sum.7": persistent_rule(two_level_rule(64, 4, 32), 0.7, "sum"),
