@@ -16,6 +16,7 @@ from kvlocal.route_settings import (
     CENTROID_BLOCKS,
     DEFAULT_CENTROID_BLOCK as CENTROID_BLOCK,
     DEFAULT_CENTROID_TYPE as CENTROID_TYPE,
+    DEFAULT_PIN as PIN,
     DEFAULT_ESTIMATE as ESTIMATE,
     DEFAULT_KEEP as KEEP,
     DEFAULT_PREFILL as PREFILL,
@@ -149,6 +150,9 @@ QuestionOpt = Annotated[str, typer.Option(
     "(token by token through the route, like the answer).")]
 QuestionTopKOpt = Annotated[int, typer.Option(
     "--question-top-k", min=0, max=MAX_TOP_K, help="Regions per layer and KV head that a routed question reads.")]
+PinOpt = Annotated[int, typer.Option(
+    "--pin", min=0, max=MAX_TOP_K, help="Regions the dense question pass pins for the answer: the ones its "
+    "last queries attend to most, read at every answer step (of --top-k; needs --keep above 0).")]
 SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=MAX_SEED, help="Seed for random routing and sampling.")]
 PrefillOpt = Annotated[str, typer.Option(
     "--prefill", help="How the document is prefilled: dense (every 512-token ubatch reads every earlier token) or "
@@ -181,12 +185,12 @@ def _text_arg(text: str) -> str:
 
 def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0,
            shortlist: int = SHORTLIST, keep: float = KEEP, estimate: bool = ESTIMATE, question: str = QUESTION,
-           question_top_k: int = QUESTION_TOP_K):
+           question_top_k: int = QUESTION_TOP_K, pin: int = PIN):
     from kvlocal.routing import RouteConfig, check_region_block
 
     config = RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed,
                          shortlist=shortlist, keep=keep, estimate=estimate, question=question,
-                         question_top_k=question_top_k)
+                         question_top_k=question_top_k, pin=pin)
     check_region_block(region, centroid_block)
     return config
 
@@ -293,6 +297,7 @@ def ask(
     estimate: EstimateOpt = ESTIMATE,
     question_pass: QuestionOpt = QUESTION,
     question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
+    pin: PinOpt = PIN,
     prefill: PrefillOpt = PREFILL,
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
@@ -305,7 +310,7 @@ def ask(
     from kvlocal.session import check_ask_settings
 
     route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate, question_pass,
-                       question_top_k)
+                       question_top_k, pin)
     _centroid_type(centroid_type)
     prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
     question = _text_arg(question)  # the document stays as given: a path
@@ -513,6 +518,7 @@ def eval_(
     estimate: EstimateOpt = ESTIMATE,
     question_pass: QuestionOpt = QUESTION,
     question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
+    pin: PinOpt = PIN,
     prefill: PrefillOpt = PREFILL,
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
@@ -542,11 +548,11 @@ def eval_(
         seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks,
         sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K),
         shortlist=shortlist, keep=keep, estimate=estimate, question=question_pass, question_top_k=question_top_k,
-        max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate),
+        pin=pin, max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate),
     )
     for mode in config.modes:
         _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate, question_pass,
-               question_top_k)  # validates
+               question_top_k, pin if mode == "geometric" else 0)  # validates
     _centroid_type(centroid_type)
     unknown = [t for t in config.tasks if t not in TASKS]
     if unknown or not config.tasks:

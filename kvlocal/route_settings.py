@@ -81,6 +81,15 @@ QUESTION_PASSES = ("dense", "routed", "steps")
 DEFAULT_QUESTION = "dense"
 DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's batch reads
 
+# Pins (llama_kv_route_set_pins, patch 0009): the dense question pass also sums the attention its
+# last queries give each region, and the answer's steps always read the DEFAULT_PIN regions with
+# the most of it (of their top-k; with the selection memory and the dense question only). The lab:
+# 2 pins read the fact's region at 0.93 of the 32k passkey grid's answer steps vs 0.81. End to end
+# (3 haystacks each): passkey 32k 19 of 27 (full 20, none 18), look-alike 32k 7 of 24 (full 7,
+# none 6), 16k 18 of 24 and 8k 20 of 24 (as without); the question reads K once more, so a short
+# answer's total reduction falls from 6.6x to 4.7x at 32k (BENCHMARKS.md, "Session 2026-12-01 (6)").
+DEFAULT_PIN = 2
+
 # How a document is prefilled (issue 14): "dense" reads every earlier cell for every ubatch;
 # "routed" lets a ubatch that starts PREFILL_FROM or more tokens into the document read the sinks,
 # the window before it, itself and the PREFILL_TOP_K regions per layer and KV head that its queries

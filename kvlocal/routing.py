@@ -17,6 +17,7 @@ from kvlocal.route_settings import (
     DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
     DEFAULT_MODE,
+    DEFAULT_PIN,
     DEFAULT_PREFILL,
     DEFAULT_PREFILL_ESTIMATE,
     DEFAULT_PREFILL_FROM,
@@ -103,6 +104,7 @@ class RouteConfig:
     estimate: bool = DEFAULT_ESTIMATE  # unread regions join the attention as their mean key and value
     question: str = DEFAULT_QUESTION  # how the question's tokens read the document: routed, dense or steps
     question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions the question's routed batch reads
+    pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (0: none)
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
@@ -128,6 +130,8 @@ class RouteConfig:
         if not (math.isfinite(self.keep) and 0 <= self.keep < 1):
             raise UsageError(f"the selection memory's keep must be at least 0 and below 1 (got {self.keep})",
                              setting="keep")
+        if not 0 <= self.pin <= MAX_TOP_K:
+            raise UsageError(f"the pinned regions must be between 0 and {MAX_TOP_K:,} (got {self.pin})", setting="pin")
         if not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"the random route's seed must be between 0 and {MAX_SEED} (got {self.seed})", setting="seed")
 
@@ -159,6 +163,10 @@ class RouteConfig:
             ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF,
             shortlist, self.keep, int(self.estimate), batch_top_k,
         )
+        if rc == 0 and hasattr(route_api(), "llama_kv_route_set_pins"):
+            # pins are part of top-k: more pins than top-k pin all of it
+            pins = min(self.pin, self.top_k) if self.route_mode == RouteMode.GEOMETRIC else 0
+            rc = route_api().llama_kv_route_set_pins(ctx, pins)
         if rc != 0:
             blk = route_api().llama_kv_route_cent_blk(ctx)
             raise UsageError(f"the engine rejected the routing settings {self} (centroid block {blk})")
@@ -173,6 +181,8 @@ class RouteConfig:
             text += f", shortlist {self.shortlist}"
         if self.route_mode == RouteMode.GEOMETRIC and self.keep:
             text += f", keep {self.keep:g}"
+        if self.route_mode == RouteMode.GEOMETRIC and self.pin and self.top_k and self.keep and self.question == "dense":
+            text += f", {min(self.pin, self.top_k)} pinned by the question"
         if self.estimate:
             text += ", unread regions estimated"
         text += "; " + self.describe_question()

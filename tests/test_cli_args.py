@@ -104,6 +104,23 @@ def test_an_unknown_centroid_type_is_refused_before_any_work(no_engine, doc, tmp
     assert not (tmp_path / "ev").exists()
 
 
+@pytest.mark.parametrize("pin", ["-1", str(route_settings.MAX_TOP_K + 1)])
+def test_pins_out_of_bounds_are_refused_before_any_work(no_engine, doc, pin):
+    result = run("ask", str(doc), "What did post 1 read?", "--pin", pin)
+    assert result.exit_code == 2, result.output
+
+
+def test_the_pin_setting_is_bounded_and_part_of_top_k():
+    from kvlocal.routing import RouteConfig
+
+    with pytest.raises(UsageError) as info:
+        RouteConfig(pin=-1)
+    assert info.value.setting == "pin"
+    assert "2 pinned by the question" in RouteConfig(top_k=4, pin=2, keep=0.9, question="dense").describe()
+    assert "1 pinned by the question" in RouteConfig(top_k=1, pin=2, keep=0.9, question="dense").describe()
+    assert "pinned" not in RouteConfig(top_k=4, pin=2, keep=0.9, question="steps").describe()
+
+
 def test_ask_refuses_an_unknown_centroid_block_before_any_work(no_engine, doc):
     result = run("ask", str(doc), "What did post 1 read?", "--centroid-block", "5", "--region", "64")
     assert result.exit_code == 2, result.output

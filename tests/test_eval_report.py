@@ -47,7 +47,7 @@ def test_main_cells_use_the_default_scoring_when_others_ran_too():
 
     default = dict(_row("geometric", 0.0, block=report.DEFAULT_CENTROID_BLOCK, bytes_read=80, bytes_meta=30),
                    shortlist=DEFAULT_SHORTLIST, keep=DEFAULT_KEEP, estimate=DEFAULT_ESTIMATE,
-                   centroid_type=DEFAULT_CENTROID_TYPE)
+                   centroid_type=DEFAULT_CENTROID_TYPE, pin=report.DEFAULT_PIN)
     rows = [
         _row("full", 1.0, bytes_read=1000),
         _row("window", 0.0, bytes_read=50),
@@ -125,7 +125,7 @@ def test_scoring_configurations_are_told_apart():
 
     default = {"centroid_block": DEFAULT_CENTROID_BLOCK, "shortlist": DEFAULT_SHORTLIST, "keep": DEFAULT_KEEP,
                "estimate": DEFAULT_ESTIMATE, "question": DEFAULT_QUESTION, "question_top_k": DEFAULT_QUESTION_TOP_K,
-               "centroid_type": DEFAULT_CENTROID_TYPE}
+               "centroid_type": DEFAULT_CENTROID_TYPE, "pin": report.DEFAULT_PIN}
     other_type = "f16" if DEFAULT_CENTROID_TYPE == "q8_0" else "q8_0"
     rows = [
         _row("full", 1.0, bytes_read=1000),
@@ -138,7 +138,8 @@ def test_scoring_configurations_are_told_apart():
     [geo] = [c for c in summary["cells"] if c["mode"] == "geometric"]
     assert geo["accuracy"] == 1.0
     labels = sorted(report.scoring_label(p) for p in summary["sweep"][0]["points"])
-    other_label = f"/b{DEFAULT_CENTROID_BLOCK} s auto keep {DEFAULT_KEEP:g} dense" + (" q8_0" if other_type == "q8_0" else "")
+    other_label = (f"/b{DEFAULT_CENTROID_BLOCK} s auto keep {DEFAULT_KEEP:g} dense" + (" q8_0" if other_type == "q8_0" else "")
+                   + (f" pin {report.DEFAULT_PIN}" if report.DEFAULT_PIN else ""))
     assert labels == sorted(["", other_label, "/b16 steps"])
     table = report.points_markdown(summary)
     assert "| 4,096 | passkey | top-4, default scoring | 100% [21–100] (n=1) | 100% [21–100] (n=1) | 16.7x |" in table

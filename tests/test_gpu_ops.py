@@ -62,8 +62,9 @@ def describe(lib, ptr) -> dict:
 
 
 def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: int = 1200, n_batch: int = 1,
-                        centroid_type: int = F16) -> list[dict]:
-    """The nodes of a decode step (n_batch 1) or of a routed batch of n_batch tokens (a question)."""
+                        centroid_type: int = F16, question: int = 0) -> list[dict]:
+    """The nodes of a decode step (n_batch 1) or of a routed batch of n_batch tokens (a question);
+    with `question` tokens read densely before the recorded step (the batch that writes the pins)."""
     lib = ggml_base()
     nodes: list[dict] = []
     state = {"on": False}
@@ -83,8 +84,10 @@ def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: in
     raw = RawContext(model, n_ctx=2048, kv_type=kv_type, recorder=rec, centroid_type=centroid_type)
     try:
         raw.decode([(i * 37) % 250 for i in range(n_doc)])
-        route.apply(raw.ctx, batch_top_k=route.top_k if n_batch > 1 else 0)
+        route.apply(raw.ctx, batch_top_k=route.top_k if n_batch > 1 and not question else 0)
         state["on"] = True
+        if question:
+            raw.decode([(i * 11) % 250 for i in range(question)])
         raw.decode([11 + i for i in range(n_batch)])
     finally:
         state["on"] = False
@@ -120,6 +123,8 @@ def cuda_supports(n: dict) -> bool:
         return s[1]["type"] == F32
     if op == "ABS":  # a unary op: contiguous f32/f16 rows
         return s[0]["type"] in FLOATS
+    if op == "SUM_ROWS":  # f32
+        return s[0]["type"] == F32
     return op in {"ADD", "SUB", "MUL", "SCALE", "REPEAT", "ARANGE", "POOL_2D", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
 
 
@@ -146,6 +151,8 @@ def metal_supports(n: dict) -> bool:
         return s[1]["type"] == F32
     if op == "ABS":  # a unary op: contiguous f32/f16 rows
         return s[0]["type"] in FLOATS
+    if op == "SUM_ROWS":  # f32
+        return s[0]["type"] == F32
     return op in {"ADD", "SUB", "MUL", "REPEAT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
 
 
@@ -198,6 +205,19 @@ def test_a_routed_prefill_ubatch_is_supported_on_cuda_and_metal(model64, iswa64,
     assert not bad, f"nodes CUDA or Metal would not run: {bad}"
 
 
+@pytest.mark.parametrize("kv_type, centroid_type", TYPES)
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
+def test_pins_from_a_dense_question_are_supported_on_cuda_and_metal(model64, iswa64, kv_type, centroid_type, arch):
+    # the question's dense batch that sums its attention per region, then the step that reads the pins
+    model = model64 if arch == "qwen2" else iswa64
+    route = RouteConfig(mode="geometric", top_k=3, region=64, keep=0.9, pin=2)
+    nodes = record_decode_graph(model, kv_type, route, centroid_type=centroid_type, question=9)
+    assert any(n["name"].startswith("kv_route_pin_mass") for n in nodes), "the question wrote no pins"
+    assert any(n["name"].startswith("kv_route_pinned") for n in nodes), "the step read no pins"
+    bad = [(n["op"], n["name"]) for n in nodes if not (cuda_supports(n) and metal_supports(n))]
+    assert not bad, f"nodes CUDA or Metal would not run: {bad}"
+
+
 def test_top_k_rows_stay_within_the_cuda_limit_at_the_trained_context():
     # top_k scores one row of regions per KV head: 32,768 tokens / 64 = 512 regions <= 1024
     assert 32768 // RouteConfig().region <= 1024
@@ -215,7 +235,7 @@ def _vendored_ggml() -> Path | None:
 def test_backends_still_list_the_ops_we_use():
     src = _vendored_ggml()
     used = {"GET_ROWS", "SET_ROWS", "CPY", "CONT", "CONCAT", "TOP_K", "FLASH_ATTN_EXT", "MUL_MAT", "ADD", "SUB", "SCALE",
-            "REPEAT", "ARANGE", "POOL_2D", "SOFT_MAX", "UNARY"}
+            "REPEAT", "ARANGE", "POOL_2D", "SOFT_MAX", "UNARY", "SUM_ROWS"}
     for path, fn in [
         (src / "ggml-cuda" / "ggml-cuda.cu", "ggml_backend_cuda_device_supports_op"),
         (src / "ggml-metal" / "ggml-metal-device.m", "ggml_metal_device_supports_op"),

@@ -190,6 +190,47 @@ def test_q8_0_centroids_scan_fewer_bytes_and_choose_alike(tiny_model, model64):
         RawContext(model64, n_ctx=2048, centroid_type=2)  # Q4_0
 
 
+def test_pins_from_a_dense_question_steer_the_answer_until_forgotten(model64):
+    """With pins, a question read in one dense batch also sums its attention per region (reading K
+    once more, counted); the step after it reads the pinned regions (here its whole budget), which
+    changes what it reads, and a removal of cells forgets them: the same step decoded again reads
+    what it reads without pins."""
+    m = llama_cpp()
+    question, step = doc_tokens(9, seed=7), doc_tokens(1, seed=8)
+    n_layer, n_head_kv, head_dim = 2, 1, 64
+    plain = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, estimate=False, pin=0)
+    pinned = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, estimate=False, pin=2)
+
+    def ask(raw, route):
+        m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, N_DOC, -1)
+        raw.n_past = N_DOC
+        route.apply(raw.ctx)
+        raw.decode(question)
+        q_stats = read_stats(raw.ctx)
+        raw.decode(step)
+        return q_stats, read_stats(raw.ctx)
+
+    raw = RawContext(model64, n_ctx=2048)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        q_plain, st_plain = ask(raw, plain)
+        q_pin, st_pin = ask(raw, pinned)
+        # the same step again, without a new question: the removal of its cell forgot the pins
+        m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, N_DOC + len(question), -1)
+        raw.n_past = N_DOC + len(question)
+        raw.decode(step)
+        st_forgot = read_stats(raw.ctx)
+    finally:
+        raw.close()
+    n_kv, n_reg = q_pin.n_kv, st_pin.n_kv // 64
+    assert q_plain.bytes_meta == 0
+    assert q_pin.bytes_meta == n_layer * n_kv * n_head_kv * head_dim * 2  # K (F16) read once more
+    assert st_pin.bytes_meta - st_plain.bytes_meta == n_layer * n_reg * n_head_kv * 4  # the pins' mass
+    assert st_pin.bytes_kv == st_plain.bytes_kv
+    assert not np.array_equal(st_pin.regions, st_plain.regions), "the pins changed nothing"
+    np.testing.assert_array_equal(st_forgot.regions, st_plain.regions)
+
+
 @pytest.mark.parametrize("shortlist", [0, 6])
 def test_estimate_counts_its_reads_and_moves_a_tight_budget_towards_dense(tiny_model, shortlist):
     """The estimate reads one mean value per region and KV head (and one mean key, unless the coarse
@@ -436,7 +477,7 @@ def test_selection_memory_is_forgotten_when_the_question_is_rewound(tiny_model):
     try:
         raw.decode(doc_tokens(N_DOC))
         steps = doc_tokens(8, seed=3)
-        kept = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=8, keep=0.999)
+        kept = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=8, keep=0.999, pin=0)
         first = decode_steps(raw, N_DOC, steps, kept)
         again = decode_steps(raw, N_DOC, steps, kept)
         fresh = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=2, region=64, shortlist=8, keep=0))
@@ -516,7 +557,7 @@ def decode_batch(raw: RawContext, n_prefix: int, tokens: list[int], route: Route
 def test_a_routed_batch_of_every_region_reproduces_the_dense_batch(tiny_model, shortlist, estimate):
     raw = RawContext(tiny_model, n_ctx=2048)
     batch = doc_tokens(20, seed=2)
-    route = RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, estimate=estimate)
+    route = RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, estimate=estimate, pin=0)
     try:
         raw.decode(doc_tokens(N_DOC))
         dense, dense_st = decode_batch(raw, N_DOC, batch, RouteConfig(mode="full"), 0)

@@ -77,7 +77,7 @@ def test_the_question_pass_decides_how_the_question_reads_the_document(cache, ti
     session = Session(str(tiny_model), threads=2)
 
     def run(question_pass):
-        route = RouteConfig(mode="geometric", top_k=2, region=64, question=question_pass, question_top_k=3)
+        route = RouteConfig(mode="geometric", top_k=2, region=64, question=question_pass, question_top_k=3, pin=0)
         answer = session.ask("which value?", route=route, max_tokens=4)
         answer_steps = [piece.stats for piece in answer if piece.stats is not None]
         summary = answer.summary()

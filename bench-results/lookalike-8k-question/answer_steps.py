@@ -42,8 +42,10 @@ def answer_reduction(r):
 
 def step_mib(rows):
     """Mean MiB one answer step reads: K/V rows + metadata (centroids, memory, estimate). Only rows of a
-    dense question, whose one batch read no metadata and is recorded apart."""
-    dense_q = [r for r in rows if question_pass(r) == "dense" and "question_bytes_read" in r and r["steps"] > 1]
+    dense question, whose one batch read no metadata and is recorded apart (with pins it reads K once
+    more, counted as metadata of the whole answer: no split then)."""
+    dense_q = [r for r in rows if question_pass(r) == "dense" and "question_bytes_read" in r and r["steps"] > 1
+               and not r.get("pin")]
     if not dense_q:
         return "–"
     kv = mean((r["bytes_read"] - r["bytes_meta"] - r["question_bytes_read"]) / (r["steps"] - 1) for r in dense_q)
@@ -71,10 +73,11 @@ for (length, mode, k, q, geo, used), rows in sorted(groups.items(), key=lambda k
     if geo is None:
         route = "full" if mode == "full" else f"{mode} top-{k}"
     else:
-        blk, shortlist, keep, est, _, ctype = geo
+        blk, shortlist, keep, est, _, ctype, pin = geo
         shortlist = f"{used} (auto)" if shortlist == SHORTLIST_AUTO else shortlist
         route = (f"{mode} top-{k}, shortlist {shortlist}{'' if est else ', no estimate'}, block {blk}"
-                 + (f", keep {keep:g}" if keep != DEFAULT_KEEP else "") + (f", {ctype} centroids" if ctype != "f16" else ""))
+                 + (f", keep {keep:g}" if keep != DEFAULT_KEEP else "") + (f", {ctype} centroids" if ctype != "f16" else "")
+                 + (f", {pin} pinned" if pin else ""))
     print(f"| {length:,} | {route} | {q} | {acc:.0%} [{lo * 100:.0f}–{hi * 100:.0f}] ({len(far)}) | {same_as_full(far)} | "
           f"{mean(r['reduction'] for r in rows):.1f}x | {mean(answer_reduction(r) for r in rows):.1f}x | "
           f"{step_mib(rows)} | {median(r['decode_tps'] for r in rows):.1f} |")

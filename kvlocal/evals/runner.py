@@ -18,6 +18,7 @@ from kvlocal.evals.tasks import Case, build_case, score
 from kvlocal.route_settings import (
     DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
+    DEFAULT_PIN,
     DEFAULT_QUESTION,
     DEFAULT_QUESTION_TOP_K,
     DEFAULT_REGION,
@@ -55,6 +56,7 @@ class GridConfig:
     estimate: bool = DEFAULT_ESTIMATE  # unread regions estimated from their means
     question: str = DEFAULT_QUESTION  # how the question reads the document: routed, dense or steps
     question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions a routed question reads
+    pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (geometric only)
     max_tokens: int | None = None  # None: ANSWER_TOKENS[task]
     prefill: PrefillConfig = field(default_factory=PrefillConfig)  # how the haystacks are prefilled
 
@@ -69,7 +71,7 @@ class GridConfig:
     def route(self, mode: str, top_k: int) -> RouteConfig:
         return RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks,
                            shortlist=self.shortlist, keep=self.keep, estimate=self.estimate, question=self.question,
-                           question_top_k=self.question_top_k)
+                           question_top_k=self.question_top_k, pin=min(self.pin, top_k) if mode == "geometric" else 0)
 
 
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
@@ -109,7 +111,8 @@ def row_key(row: dict) -> tuple:
             row.get("estimate", False),  # ... and dropped the unread regions' mass
             question_pass(row),  # ... and decoded the question token by token
             row.get("prefill", "dense"),  # ... and prefilled the haystack densely
-            row.get("centroid_type", "f16"))  # ... and kept the centroids in F16
+            row.get("centroid_type", "f16"),  # ... and kept the centroids in F16
+            row.get("pin", 0))  # ... and pinned nothing by the question
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -180,7 +183,8 @@ def _key(length, task, seed, probe_index, route, haystack_name, session, max_tok
                     "haystack": haystack_name, "centroid_block": session.centroid_block,
                     "centroid_type": session.centroid_type, "max_tokens": max_tokens,
                     "shortlist": route.shortlist, "keep": route.keep, "estimate": route.estimate,
-                    "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag})
+                    "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag,
+                    "pin": route.pin})
 
 
 def _load(session: Session, case: Case, length: int, seed: int, prefill: PrefillConfig, prefill_tag: str, log) -> dict:
