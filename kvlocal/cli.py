@@ -552,7 +552,7 @@ def eval_(
     )
     for mode in config.modes:
         _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate, question_pass,
-               question_top_k, pin if mode == "geometric" else 0)  # validates
+               question_top_k, pin)  # validates
     _centroid_type(centroid_type)
     unknown = [t for t in config.tasks if t not in TASKS]
     if unknown or not config.tasks:

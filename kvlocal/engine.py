@@ -160,9 +160,8 @@ def route_api() -> ctypes.CDLL:
     ctx_p = ctypes.c_void_p
     lib.llama_kv_route_set.argtypes = [ctx_p] + [ctypes.c_int32] * 5 + [ctypes.c_uint32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32, ctypes.c_int32]
     lib.llama_kv_route_set.restype = ctypes.c_int32
-    if hasattr(lib, "llama_kv_route_set_pins"):
-        lib.llama_kv_route_set_pins.argtypes = [ctx_p, ctypes.c_int32]
-        lib.llama_kv_route_set_pins.restype = ctypes.c_int32
+    lib.llama_kv_route_set_pins.argtypes = [ctx_p, ctypes.c_int32]
+    lib.llama_kv_route_set_pins.restype = ctypes.c_int32
     lib.llama_kv_route_cent_blk.argtypes = [ctx_p]
     lib.llama_kv_route_cent_blk.restype = ctypes.c_int32
     lib.llama_kv_route_get_stats.argtypes = [ctx_p, ctypes.POINTER(RouteStatsC)]

@@ -136,6 +136,14 @@ class RouteConfig:
             raise UsageError(f"the random route's seed must be between 0 and {MAX_SEED} (got {self.seed})", setting="seed")
 
     @property
+    def pins(self) -> int:
+        """Regions the answer's steps read by the dense question's attention: `pin`, at most top-k,
+        where it can act (geometric routing with the selection memory and the dense question), else 0."""
+        if self.route_mode != RouteMode.GEOMETRIC or not self.keep or self.question != "dense":
+            return 0
+        return min(self.pin, self.top_k)
+
+    @property
     def route_mode(self) -> RouteMode:
         return MODE_NAMES[self.mode]
 
@@ -159,16 +167,15 @@ class RouteConfig:
             module = llama_cpp()
             n_tokens = module.llama_memory_seq_pos_max(module.llama_get_memory(ctx), 0) + 1
             shortlist = self.for_document(max(0, n_tokens)).shortlist
-        rc = route_api().llama_kv_route_set(
+        api = route_api()
+        rc = api.llama_kv_route_set(
             ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF,
             shortlist, self.keep, int(self.estimate), batch_top_k,
         )
-        if rc == 0 and hasattr(route_api(), "llama_kv_route_set_pins"):
-            # pins are part of top-k: more pins than top-k pin all of it
-            pins = min(self.pin, self.top_k) if self.route_mode == RouteMode.GEOMETRIC else 0
-            rc = route_api().llama_kv_route_set_pins(ctx, pins)
+        if rc == 0:
+            rc = api.llama_kv_route_set_pins(ctx, self.pins)
         if rc != 0:
-            blk = route_api().llama_kv_route_cent_blk(ctx)
+            blk = api.llama_kv_route_cent_blk(ctx)
             raise UsageError(f"the engine rejected the routing settings {self} (centroid block {blk})")
 
     def describe(self) -> str:
@@ -181,8 +188,8 @@ class RouteConfig:
             text += f", shortlist {self.shortlist}"
         if self.route_mode == RouteMode.GEOMETRIC and self.keep:
             text += f", keep {self.keep:g}"
-        if self.route_mode == RouteMode.GEOMETRIC and self.pin and self.top_k and self.keep and self.question == "dense":
-            text += f", {min(self.pin, self.top_k)} pinned by the question"
+        if self.pins:
+            text += f", {self.pins} pinned by the question"
         if self.estimate:
             text += ", unread regions estimated"
         text += "; " + self.describe_question()

@@ -152,7 +152,7 @@ class Session:
                 type_k=KV_TYPES[self.kv_type],
                 type_v=KV_TYPES[self.kv_type],
                 kv_centroid_block=self.centroid_block,  # fixed for the context's KV cache (patch 0003)
-                kv_centroid_type=KV_TYPES[self.centroid_type],  # and its type (patch 0009)
+                kv_centroid_type=KV_TYPES[self.centroid_type],  # and its type (patch 0003)
                 verbose=False,
             )
         except (ValueError, RuntimeError) as err:

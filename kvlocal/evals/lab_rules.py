@@ -206,10 +206,13 @@ def _softmax_over(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
     return p / p.sum(axis=1, keepdims=True)
 
 
-def persistent_rule(rule: Rule, gamma: float, combine: str = "max") -> Rule:
+def persistent_rule(rule: Rule, gamma: float, combine: str = "max",
+                    answer_start: Callable[[Head, Geometry, np.ndarray], np.ndarray] | None = None) -> Rule:
     """Selections that persist over the steps: each step's region scores become a softmax over the
     candidates (at the attention's scale), and a region keeps gamma times its previous value when that
-    is larger, r_s = max(p_s, gamma * r_(s-1)); a region a step found stays chosen for a while."""
+    is larger, r_s = max(p_s, gamma * r_(s-1)); a region a step found stays chosen for a while. With
+    `answer_start` (head, geo, the first answer step's candidates -> memory), the memory is replaced
+    by what it returns before the first answer step."""
 
     def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         sc, scan = rule(head, geo, cand)
@@ -217,6 +220,8 @@ def persistent_rule(rule: Rule, gamma: float, combine: str = "max") -> Rule:
         run = np.zeros_like(p)
         prev = np.zeros(p.shape[1])
         for i in range(p.shape[0]):
+            if answer_start is not None and head.n_question and i == head.n_question:
+                prev = answer_start(head, geo, cand[i])
             prev = (np.maximum(p[i], gamma * prev) if combine == "max" else p[i] + gamma * prev) * cand[i]
             run[i] = prev
         return np.where(cand, run, NEG), scan
@@ -254,26 +259,18 @@ def question_memory_rule(rule: Rule, gamma: float, seeded: bool = True) -> Rule:
     """The selection memory seeded by a dense question pass: before the first answer step the memory
     holds each candidate region's share of the exact attention mass of the question's steps (summed
     over them and the group's heads, normalised over the candidates), then the answer's steps go on
-    as persistent_rule's: r_s = max(p_s, gamma * r_(s-1)). The question's own steps select as the
-    plain memory does (the engine reads the question densely). With seeded=False the memory starts
-    empty at the first answer step: what the engine does now (a question read in one batch neither
-    reads nor writes the memory)."""
+    as persistent_rule's. The question's own steps select as the plain memory does (the engine reads
+    the question densely). With seeded=False the memory starts empty at the first answer step: what
+    the engine does without pins (a question read in one batch neither reads nor writes the memory)."""
 
-    def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
-        sc, scan = rule(head, geo, cand)
-        p = _softmax_over(sc, cand, head.scale)
-        mass = region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1)  # [s, r]
-        run = np.zeros_like(p)
-        prev = np.zeros(p.shape[1])
-        for i in range(p.shape[0]):
-            if head.n_question and i == head.n_question:
-                seed = mass[:head.n_question].sum(axis=0) * cand[i] if seeded else np.zeros_like(prev)
-                prev = seed / seed.sum() if seed.sum() > 0 else seed
-            prev = np.maximum(p[i], gamma * prev) * cand[i]
-            run[i] = prev
-        return np.where(cand, run, NEG), scan
+    def question_mass(head: Head, geo: Geometry, cand_row: np.ndarray) -> np.ndarray:
+        if not seeded:
+            return np.zeros(cand_row.shape, dtype=np.float64)
+        mass = region_mass(head.probs()[:head.n_question], geo.region, _n_regions(head, geo)).sum(axis=(0, 1))
+        mass = mass * cand_row
+        return mass / mass.sum() if mass.sum() > 0 else mass
 
-    return wrapped
+    return persistent_rule(rule, gamma, answer_start=question_mass)
 
 
 def oracle_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvlocal.errors import UsageError
@@ -69,9 +69,10 @@ class GridConfig:
                     yield self.route("geometric", k)
 
     def route(self, mode: str, top_k: int) -> RouteConfig:
-        return RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks,
-                           shortlist=self.shortlist, keep=self.keep, estimate=self.estimate, question=self.question,
-                           question_top_k=self.question_top_k, pin=min(self.pin, top_k) if mode == "geometric" else 0)
+        route = RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks,
+                            shortlist=self.shortlist, keep=self.keep, estimate=self.estimate, question=self.question,
+                            question_top_k=self.question_top_k, pin=self.pin)
+        return replace(route, pin=route.pins)  # rows record the pins that acted (0 for the controls)
 
 
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
