@@ -589,6 +589,44 @@ def eval_(
         err("kvlocal: check passed: geometric matches full; window and random fall below on needles outside the window")
 
 
+def _lab_prefill(out: Path, lengths: list[int], tasks: list[str], seeds: list[int], depth_list: list[float],
+                 names: list[str], chunks: list[int], ks: list[int], prefill_from: int, region: int, window: int,
+                 sinks: int, model, threads, estimates: bool) -> None:
+    """`kvlocal lab --prefill`: capture the fact ubatches' queries once per haystack, replay prefill rules."""
+    import json
+
+    from kvlocal.atomic import write_text_atomic
+    from kvlocal.evals import lab_prefill
+    from kvlocal.evals.runner import make_case
+
+    geo = lab_prefill.PrefillGeometry(region=region, sinks=sinks, window=window)
+    session = None
+    totals: dict = {}
+    for length in lengths:
+        for task in tasks:
+            for seed in seeds:
+                name = f"prefill-{task}-{length}-s{seed}-d{len(depth_list)}-from{prefill_from}"
+                path = out / f"{name}.npz"
+                if path.exists():
+                    cap = lab_prefill.PrefillCapture.load(path)
+                    err(f"kvlocal: {name}: capture loaded from {path}")
+                else:
+                    if session is None:
+                        session = _open_session(model, None, threads, "f16")
+                        _check_lengths_fit(session, lengths)
+                    case = make_case(session, task, length, depth_list, seed)
+                    cap = lab_prefill.capture_prefill(session, case, name, prefill_from,
+                                                      log=lambda line: err(f"kvlocal: {line}"))
+                    cap.save(path)
+                started = time.perf_counter()
+                lab_prefill.replay_prefill(cap, names, chunks, ks, geo, totals,
+                                           estimates=list(lab_prefill.ESTIMATES) if estimates else ())
+                err(f"kvlocal: {name}: {len(cap.starts)} ubatches replayed in {time.perf_counter() - started:.0f} s")
+    rows = lab_prefill.summarize_prefill(totals)
+    write_text_atomic(out / "lab-prefill.json", json.dumps(rows, indent=1))
+    print(lab_prefill.markdown_prefill(rows))
+
+
 @app.command()
 @handles_errors
 def lab(
@@ -600,6 +638,10 @@ def lab(
     budgets: Annotated[str, typer.Option("--budgets", help="Regions selected per layer and KV head.")] = "8",
     out: Annotated[Path, typer.Option("--out", help="Folder for the captures (.npz) and lab.json.")] = Path("kvlocal-lab"),
     layer_budget: Annotated[str, typer.Option("--layer-budget", help="Scale the budget per layer, e.g. 2-11:2,14-27:0.5 (layers 2-11 read twice the regions, 14-27 half); the reduction counts what each layer reads.")] = "",
+    prefill: Annotated[bool, typer.Option("--prefill", help="Replay routed-prefill rules instead: the queries of the ubatches that hold facts (from --prefill-from on), each chunk of --chunks tokens choosing --budgets regions; reports the attention-output error against dense prefill.")] = False,
+    chunks: Annotated[str, typer.Option("--chunks", help="With --prefill: tokens per selection (the routed ubatch size), e.g. 512,128.")] = "512,128",
+    prefill_from: Annotated[int, typer.Option("--prefill-from", min=0, help="With --prefill: the first document token of a routed ubatch (as in `kvlocal ask --prefill-from`).")] = PREFILL_FROM,
+    estimates: Annotated[bool, typer.Option("--estimates", help="With --prefill: also score every rule with the unread regions joining the attention as their mean keys and values (per region, per centroid block, and per block with the keys' variance).")] = False,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     region: RegionOpt = REGION,
@@ -619,10 +661,13 @@ def lab(
     from kvlocal.evals.runner import make_case, task_answer_tokens
     from kvlocal.evals.tasks import TASKS
 
-    names = list(RULES) if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
-    unknown = [r for r in names if r not in RULES]
+    from kvlocal.evals.lab_prefill import PREFILL_RULES
+
+    table = PREFILL_RULES if prefill else RULES  # the rules this run chooses from
+    names = list(table) if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
+    unknown = [r for r in names if r not in table]
     if unknown or not names:
-        raise UsageError(f"--rules: {', '.join(unknown) or 'none given'}; choose from {', '.join(RULES)}")
+        raise UsageError(f"--rules: {', '.join(unknown) or 'none given'}; choose from {', '.join(table)}")
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
     if not task_list or any(t not in TASKS or t == "cwe" for t in task_list):
         raise UsageError(f"--tasks: choose from {', '.join(t for t in TASKS if t != 'cwe')}")
@@ -634,6 +679,14 @@ def lab(
     _route("geometric", max(ks), region, window, sinks, 0)  # validates the region geometry as the engine would
     geo = Geometry(region=region, sinks=sinks, window=window)
     depth_list = [round(i / (depths - 1), 3) for i in range(depths)]  # as `kvlocal eval` plants them
+    if prefill:
+        chunk_list = _ints(chunks)
+        if not chunk_list or min(chunk_list) < 1:
+            raise UsageError("--chunks: give positive token counts, e.g. 512,128")
+        out.mkdir(parents=True, exist_ok=True)
+        _lab_prefill(out, _lengths(lengths), task_list, _ints(seeds), depth_list, names, chunk_list, ks,
+                     prefill_from, region, window, sinks, model, threads, estimates)
+        return
     out.mkdir(parents=True, exist_ok=True)
     session = None
     totals: dict = {}

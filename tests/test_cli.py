@@ -345,7 +345,9 @@ def test_eval_resumes_and_keys_on_max_tokens(cache_dir, tiny_model, tmp_path):
 def test_lab_refuses_bad_settings_before_any_work(tmp_path):
     out = tmp_path / "lab"
     for args, says in ((["--rules", "mean16,nope"], "--rules: nope"), (["--budgets", "0"], "--budgets"),
-                       (["--tasks", "cwe"], "--tasks"), (["--depths", "1"], "")):
+                       (["--tasks", "cwe"], "--tasks"), (["--depths", "1"], ""),
+                       (["--prefill", "--rules", "engine,mean16"], "--rules: mean16"),  # a decode rule is not a prefill one
+                       (["--prefill", "--chunks", "512,0"], "--chunks"), (["--prefill", "--prefill-from", "-1"], "")):
         result = run("lab", "--out", str(out), *args)
         assert result.exit_code == 2, (args, result.output)
         assert says in result.output + result.stderr

@@ -155,3 +155,36 @@ def state_kv(state: bytes, n_layer: int, n_embd_gqa: int, with_values: bool = Tr
     if v_trans:
         raise EngineError("the lab reads untransposed V caches only (flash attention on)")
     return pos, keys, rows("value")
+
+
+class BatchQCapture(QKCapture):
+    """The roped queries of every layer of one multi-token ubatch: [tokens, layer, n_head, dim] F32.
+
+    Set `active` while the ubatch is decoded, then `take(n_tokens)`."""
+
+    def __init__(self, n_layer: int, n_head: int, head_dim: int) -> None:
+        super().__init__(n_layer, n_head, 1, head_dim)
+        self._layers: dict[int, np.ndarray] = {}
+
+    def _on_tensor(self, t: int, ask: bool, _user: int) -> bool:
+        if not self.active:
+            return False if ask else True
+        wanted = self._wanted(t)
+        if ask:
+            return wanted is not None and wanted[0] == "Qcur"
+        if wanted is None or wanted[0] != "Qcur":
+            return True
+        n = self._lib.ggml_nelements(t)
+        buf = np.empty(n, np.float32)
+        self._lib.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
+        self._layers[wanted[1]] = buf.reshape(-1, self.n_head, self.head_dim)
+        return True
+
+    def take(self, n_tokens: int) -> np.ndarray:
+        """The queries of the ubatch just decoded (every layer must have been seen, for `n_tokens` tokens)."""
+        if sorted(self._layers) != list(range(self.n_layer)) or any(q.shape[0] != n_tokens for q in self._layers.values()):
+            raise EngineError(f"the capture saw {len(self._layers)} of {self.n_layer} layers' queries, "
+                              f"not {n_tokens} tokens each")
+        out = np.stack([self._layers[il] for il in range(self.n_layer)], axis=1)
+        self._layers = {}
+        return out
