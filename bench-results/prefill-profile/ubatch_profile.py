@@ -2,7 +2,7 @@
 dense and routed, on a saved haystack state (no full prefill needed).
 
   python bench-results/prefill-profile/ubatch_profile.py [--length 32768] [--seed 0] [--top-k 8,16,32]
-      [--positions 0,4096,8192,16384,24576,30208] [--repeat 1]
+      [--positions 0,4096,8192,16384,24576,30208] [--repeat 1] [--kv-type f16|q8_0]
 
 For every position p the cache is cut back to p tokens (llama_memory_seq_rm) and the document's
 tokens [p, p + n_batch) are prefilled again, timed: dense (every earlier cell read), then routed to
@@ -34,18 +34,19 @@ def main() -> None:
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--kv-type", default="f16", help="KV cache type (a q8_0 cache prefills its own haystack state)")
     args = ap.parse_args()
 
-    session = Session(n_batch=args.n_batch, threads=args.threads)
+    session = Session(n_batch=args.n_batch, threads=args.threads, kv_type=args.kv_type)
     case = make_case(session, args.task, args.length, DEFAULT_DEPTHS, args.seed)
     loaded = session.load_document(case.text, label=f"eval {args.task} {args.length} seed {args.seed}")
     print(f"# {loaded.n_tokens} tokens, {'restored' if loaded.cache_hit else 'prefilled'} in {loaded.seconds:.0f} s, "
-          f"threads {session.threads}, n_batch {args.n_batch}", file=sys.stderr)
+          f"threads {session.threads}, n_batch {args.n_batch}, KV {args.kv_type}", file=sys.stderr)
     tokens = [int(t) for t in session.llm.input_ids[: loaded.n_tokens]]
     module = llama_cpp()
     mem = module.llama_get_memory(session.ctx)
     routes = [("dense", RouteConfig(mode="full"), 0)]
-    routes += [(f"routed top-{k}", RouteConfig(), k) for k in map(int, args.top_k.split(","))]
+    routes += [(f"routed top-{k}", RouteConfig(), k) for k in map(int, filter(None, args.top_k.split(",")))]
     rows = []
     # from the far end back, so each cut leaves the document's own cells below it; one untimed
     # ubatch first (the first graph of a context pays for its allocation)

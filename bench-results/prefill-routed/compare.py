@@ -5,7 +5,8 @@ sinks and window (n, 95 % Wilson interval), the probes whose score changed, and 
 
 The first file holds the routed-prefill rows; the others the dense-prefill rows of the same
 haystacks (length, task, seed). A probe is paired by (length, task, seed, depth) and route: full,
-and geometric with the default scoring (an automatic shortlist by the value it took).
+and geometric with the default scoring (an automatic shortlist by the value it took, and the
+number of pins: rows from before the pins are their own route).
 """
 import json
 import sys
@@ -20,10 +21,10 @@ def route_label(r: dict) -> str | None:
         return "full"
     if r["mode"] != "geometric":
         return r["mode"]
-    blk, shortlist, keep, est, question = scoring(r)
-    if (r["top_k"], blk, keep, est, question) != (DEFAULT_TOP_K, DEFAULT_CENTROID_BLOCK, DEFAULT_KEEP, False, "dense"):
+    blk, shortlist, keep, est, question, ctype, pin = scoring(r)
+    if (r["top_k"], blk, keep, est, question, ctype) != (DEFAULT_TOP_K, DEFAULT_CENTROID_BLOCK, DEFAULT_KEEP, False, "dense", "f16"):
         return None
-    return f"geometric (default, shortlist {r.get('shortlist_used', shortlist)})"
+    return f"geometric (shortlist {r.get('shortlist_used', shortlist)}, {pin} pins)"
 
 
 def load(paths: list[str]) -> dict:

@@ -339,10 +339,10 @@ def summarize_prefill(totals: dict) -> list[dict]:
 def markdown_prefill(rows: list[dict]) -> str:
     ests = [e for e in ESTIMATES if any(e in r["err_est"] for r in rows)]
     lines = ["| rule | chunk | k | output error, fact rows (mean / p90) | other rows | recall, fact rows | other rows | "
-             + " | ".join(f"+ estimate {e}" for e in ests) + " | cells read / dense |",
+             + "".join(f"+ estimate {e} | " for e in ests) + "cells read / dense |",
              "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(ests) + "---:|"]
     for r in rows:
-        est = " | ".join(f"{r['err_est'].get(e, float('nan')):.3f}" for e in ests)
+        est = "".join(f"{r['err_est'][e]:.3f} | " for e in ests)
         lines.append(f"| {r['rule']} | {r['chunk']} | {r['top_k']} | {r['err_fact']:.3f} / {r['err_fact_p90']:.3f} | "
-                     f"{r['err_rest']:.3f} | {r['recall_fact']:.3f} | {r['recall_rest']:.3f} | {est} | {r['read_share']:.3f} |")
+                     f"{r['err_rest']:.3f} | {r['recall_fact']:.3f} | {r['recall_rest']:.3f} | {est}{r['read_share']:.3f} |")
     return "\n".join(lines)
