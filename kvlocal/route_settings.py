@@ -96,13 +96,15 @@ DEFAULT_PIN = 2
 # choose together (patch 0007's routed ubatch, the decode route's geometry: 64-token regions,
 # 64 sinks, a 128-token window, a shortlist of PREFILL_SHORTLIST_SHARE x top-k, no memory, no
 # estimate). A routed prefill writes other K/V bytes than a dense one, so its saved state is keyed
-# apart. Dense stays the default: routed (top-16 from 4,096) loads a 32k document 3.2-3.7x faster and
-# 16k 2.0x and holds the 32k passkey grid (full decoding 85 % [68-94] vs 74 % [55-87] dense-prefilled,
-# n=27), but it loses look-alike facts (8k: 67 % [47-82] vs 88 % [69-96], n=24; 16k: 31 % [14-56] vs
-# 69 % [44-86], n=16) (BENCHMARKS.md, "Loading faster: routed prefill").
+# apart. Dense stays the default. The prefill lab (BENCHMARKS.md, session (7)) found a fact token's
+# prefill attention diffuse: the error a routed ubatch hands on is set by the share of the document it
+# reads (no selection rule does much better than the engine's), so look-alike facts need about a
+# quarter to a half of the regions. PREFILL_TOP_K 64 keeps them within one fact of the dense prefill
+# (16k: 71 % [51-85] vs 75 % [55-88], n=24, at 1.4-1.5x; 32k: see BENCHMARKS), where top-16 loads
+# 16k 2.0x and 32k 3.2-3.7x faster but loses them (16k: 31 % vs 69 %, n=16).
 PREFILL_MODES = ("dense", "routed")
 DEFAULT_PREFILL = "dense"
-DEFAULT_PREFILL_TOP_K = 16
+DEFAULT_PREFILL_TOP_K = 64
 DEFAULT_PREFILL_FROM = 4096
 DEFAULT_PREFILL_UBATCH = 512  # tokens per routed ubatch (at most the context's ubatch): one selection each
 PREFILL_SHORTLIST_SHARE = 4

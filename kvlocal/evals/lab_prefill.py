@@ -100,10 +100,8 @@ def capture_prefill(session, case, name: str, start: int, log: Callable[[str], N
     return PrefillCapture(name, keys, values, np.array(starts), queries, facts)
 
 
-# A prefill rule chooses `k` regions for a chunk of queries. Inputs per (layer, KV head): the
-# chunk's query rows' best fine-centroid score per region [rows, n_reg] (a region's best 8-token
-# mean), their coarse score per region [rows, n_reg] (the region's mean key), the exact attention
-# mass per region of the scored rows [scored, n_reg], the candidate regions, k and the scale.
+# A prefill rule chooses `k` regions for a chunk of queries of one layer and KV head: from the
+# chunk's ChunkScores, the candidate regions (a bool mask) and k, it returns the chosen region ids.
 PrefillRule = Callable[["ChunkScores", np.ndarray, int], np.ndarray]
 
 
