@@ -590,6 +590,31 @@ def eval_(
         err("kvlocal: check passed: geometric matches full; window and random fall below on needles outside the window")
 
 
+def _lab_captures(out: Path, lengths: list[int], tasks: list[str], seeds: list[int], depth_list: list[float],
+                  model, threads, *, name_of, load, capture):
+    """(name, capture) of every haystack: loaded from OUT when it is there, else captured on the engine
+    (one session for all, opened at the first capture) and saved beside the others."""
+    from kvlocal.evals.runner import make_case
+
+    session = None
+    for length in lengths:
+        for task in tasks:
+            for seed in seeds:
+                name = name_of(task, length, seed)
+                path = out / f"{name}.npz"
+                if path.exists():
+                    cap = load(path)
+                    err(f"kvlocal: {name}: capture loaded from {path}")
+                else:
+                    if session is None:
+                        session = _open_session(model, None, threads, "f16")
+                        _check_lengths_fit(session, lengths)
+                    case = make_case(session, task, length, depth_list, seed)
+                    cap = capture(session, case, task, name, lambda line: err(f"kvlocal: {line}"))
+                    cap.save(path)
+                yield name, cap
+
+
 def _lab_prefill(out: Path, lengths: list[int], tasks: list[str], seeds: list[int], depth_list: list[float],
                  names: list[str], chunks: list[int], ks: list[int], prefill_from: int, region: int, window: int,
                  sinks: int, model, threads, estimates: bool) -> None:
@@ -598,31 +623,20 @@ def _lab_prefill(out: Path, lengths: list[int], tasks: list[str], seeds: list[in
 
     from kvlocal.atomic import write_text_atomic
     from kvlocal.evals import lab_prefill
-    from kvlocal.evals.runner import make_case
 
     geo = lab_prefill.PrefillGeometry(region=region, sinks=sinks, window=window)
-    session = None
     totals: dict = {}
-    for length in lengths:
-        for task in tasks:
-            for seed in seeds:
-                name = f"prefill-{task}-{length}-s{seed}-d{len(depth_list)}-from{prefill_from}"
-                path = out / f"{name}.npz"
-                if path.exists():
-                    cap = lab_prefill.PrefillCapture.load(path)
-                    err(f"kvlocal: {name}: capture loaded from {path}")
-                else:
-                    if session is None:
-                        session = _open_session(model, None, threads, "f16")
-                        _check_lengths_fit(session, lengths)
-                    case = make_case(session, task, length, depth_list, seed)
-                    cap = lab_prefill.capture_prefill(session, case, name, prefill_from,
-                                                      log=lambda line: err(f"kvlocal: {line}"))
-                    cap.save(path)
-                started = time.perf_counter()
-                lab_prefill.replay_prefill(cap, names, chunks, ks, geo, totals,
-                                           estimates=list(lab_prefill.ESTIMATES) if estimates else ())
-                err(f"kvlocal: {name}: {len(cap.starts)} ubatches replayed in {time.perf_counter() - started:.0f} s")
+    captures = _lab_captures(
+        out, lengths, tasks, seeds, depth_list, model, threads,
+        name_of=lambda task, length, seed: f"prefill-{task}-{length}-s{seed}-d{len(depth_list)}-from{prefill_from}",
+        load=lab_prefill.PrefillCapture.load,
+        capture=lambda session, case, task, name, log: lab_prefill.capture_prefill(session, case, name, prefill_from,
+                                                                                   log=log))
+    for name, cap in captures:
+        started = time.perf_counter()
+        lab_prefill.replay_prefill(cap, names, chunks, ks, geo, totals,
+                                   estimates=list(lab_prefill.ESTIMATES) if estimates else ())
+        err(f"kvlocal: {name}: {len(cap.starts)} ubatches replayed in {time.perf_counter() - started:.0f} s")
     rows = lab_prefill.summarize_prefill(totals)
     write_text_atomic(out / "lab-prefill.json", json.dumps(rows, indent=1))
     print(lab_prefill.markdown_prefill(rows))
@@ -659,10 +673,10 @@ def lab(
     from kvlocal.errors import UsageError
     from kvlocal.evals import lab as lab_mod
     from kvlocal.evals.lab_rules import RULES, Geometry
-    from kvlocal.evals.runner import make_case, task_answer_tokens
+    from kvlocal.evals.lab_prefill import PREFILL_RULES
+    from kvlocal.evals.runner import task_answer_tokens
     from kvlocal.evals.tasks import TASKS
 
-    from kvlocal.evals.lab_prefill import PREFILL_RULES
 
     table = PREFILL_RULES if prefill else RULES  # the rules this run chooses from
     names = list(table) if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
@@ -689,31 +703,20 @@ def lab(
                      prefill_from, region, window, sinks, model, threads, estimates)
         return
     out.mkdir(parents=True, exist_ok=True)
-    session = None
     totals: dict = {}
-    for length in _lengths(lengths):
-        for task in task_list:
-            for seed in _ints(seeds):
-                name = f"{task}-{length}-s{seed}-d{depths}"
-                path = out / f"{name}.npz"
-                if path.exists():
-                    cap = lab_mod.CaseCapture.load(path)
-                    err(f"kvlocal: {name}: capture loaded from {path}")
-                else:
-                    if session is None:
-                        session = _open_session(model, None, threads, "f16")
-                        _check_lengths_fit(session, _lengths(lengths))
-                    case = make_case(session, task, length, depth_list, seed)
-                    cap = lab_mod.capture_case(session, case, name, task_answer_tokens(task),
-                                               log=lambda line: err(f"kvlocal: {line}"))
-                    cap.save(path)
-                started = time.perf_counter()
-                try:
-                    scale = lab_mod.layer_scale(layer_budget, cap.doc_keys.shape[0]) if layer_budget else None
-                except ValueError as e:
-                    raise UsageError(f"--layer-budget: {e}") from None
-                lab_mod.replay_case(cap, names, ks, geo, totals, scale=scale)
-                err(f"kvlocal: {name}: replayed {len(names)} rules x {len(ks)} budgets in {time.perf_counter() - started:.0f} s")
+    captures = _lab_captures(
+        out, _lengths(lengths), task_list, _ints(seeds), depth_list, model, threads,
+        name_of=lambda task, length, seed: f"{task}-{length}-s{seed}-d{depths}", load=lab_mod.CaseCapture.load,
+        capture=lambda session, case, task, name, log: lab_mod.capture_case(session, case, name, task_answer_tokens(task),
+                                                                           log=log))
+    for name, cap in captures:
+        started = time.perf_counter()
+        try:
+            scale = lab_mod.layer_scale(layer_budget, cap.doc_keys.shape[0]) if layer_budget else None
+        except ValueError as e:
+            raise UsageError(f"--layer-budget: {e}") from None
+        lab_mod.replay_case(cap, names, ks, geo, totals, scale=scale)
+        err(f"kvlocal: {name}: replayed {len(names)} rules x {len(ks)} budgets in {time.perf_counter() - started:.0f} s")
     rows = [dict(r, layer_budget=layer_budget) for r in lab_mod.summarize(totals)]
     write_text_atomic(out / "lab.json", json.dumps(rows, indent=1))
     print(lab_mod.markdown(rows))

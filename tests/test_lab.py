@@ -186,3 +186,30 @@ def test_layer_budget_scale_parses_and_refuses():
     for bad in ("2-11", "3-1:2", "0-9:2", "1:0", "a:b"):
         with pytest.raises(ValueError):
             layer_scale(bad, 5)
+
+
+def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):
+    """`kvlocal lab` finds a saved capture under its haystack's name and only replays it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvlocal import cli
+    from kvlocal.evals.lab import CaseCapture
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine was opened although the capture was saved")
+
+    monkeypatch.setattr(cli, "_open_session", refuse)
+    rng = np.random.default_rng(4)
+    n_doc, dim = 1024, 128
+    keys = rng.normal(size=(1, n_doc, dim)).astype(np.float16)
+    q = rng.normal(size=(3, 1, 2, dim)).astype(np.float32)
+    k = rng.normal(size=(3, 1, 1, dim)).astype(np.float32)
+    CaseCapture("x", keys, [q], [k], np.array([[300, 320]]), np.array([True]), np.array([0.3]),
+                np.array([1]), keys.copy()).save(tmp_path / "lookalike-8192-s0-d10.npz")
+    result = CliRunner().invoke(cli.app, ["lab", "--lengths", "8k", "--seeds", "0", "--rules", "mean8,oracle",
+                                          "--budgets", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "lab.json").read_text())
+    assert {r["rule"] for r in rows} == {"mean8", "oracle"}

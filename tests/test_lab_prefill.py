@@ -136,3 +136,35 @@ def test_estimate_of_uniform_regions_is_exact():
     assert min(t.err_fact) > 1e-3  # one of four candidate regions read: not dense
     for name in ("region", "block"):
         assert max(t.err_est[name]) < 2e-3, name
+
+
+def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):
+    """`kvlocal lab --prefill` finds the capture it would have made under its name and only replays it;
+    the table goes to stdout and lab-prefill.json (one row per rule, chunk and budget)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvlocal import cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine was opened although the capture was saved")
+
+    monkeypatch.setattr(cli, "_open_session", refuse)
+    rng = np.random.default_rng(2)
+    n_cells, dim, first = 1024, 128, 512  # 16 regions of 64; the ubatch [512, 1024) holds a fact
+    keys = rng.normal(size=(1, n_cells, 2 * dim)).astype(np.float16)
+    values = rng.normal(size=(1, n_cells, 2 * dim)).astype(np.float16)
+    q = rng.normal(size=(n_cells - first, 1, 4, dim)).astype(np.float16)
+    lp.PrefillCapture("x", keys, values, np.array([first]), [q], np.array([[600, 620]])).save(
+        tmp_path / "prefill-lookalike-8192-s0-d10-from512.npz")
+    result = CliRunner().invoke(cli.app, ["lab", "--prefill", "--lengths", "8k", "--seeds", "0", "--prefill-from", "512",
+                                          "--rules", "engine,oracle-sum", "--budgets", "2,100", "--chunks", "512,128",
+                                          "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "| engine | 128 | 2 |" in result.stdout and "| oracle-sum | 512 | 100 |" in result.stdout
+    rows = json.loads((tmp_path / "lab-prefill.json").read_text())
+    assert len(rows) == 8
+    every = [r for r in rows if r["top_k"] == 100]
+    assert all(r["err_fact"] < 1e-5 and r["read_share"] == pytest.approx(1.0) for r in every)
+    assert all(r["err_fact"] > 1e-3 for r in rows if r["top_k"] == 2)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlocal.atomic import write_npz_atomic
 from kvlocal.evals.lab_rules import RULES, Geometry, Head, HeadResult, replay
 from kvlocal.evals.tasks import Case, Probe
 
@@ -49,9 +50,7 @@ class CaseCapture:
             arrays["doc_values"] = self.doc_values
         for i, (q, k) in enumerate(zip(self.probes_q, self.probes_k)):
             arrays[f"q{i}"], arrays[f"k{i}"] = q.astype(np.float16), k.astype(np.float16)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        tmp.replace(path)
+        write_npz_atomic(path, arrays)
 
     @classmethod
     def load(cls, path: Path) -> CaseCapture:

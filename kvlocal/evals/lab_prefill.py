@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlocal.atomic import write_npz_atomic
 from kvlocal.evals.lab_rules import NEG, block_means
 
 SAMPLE_EVERY = 8  # besides the fact tokens, every SAMPLE_EVERY-th row of a ubatch is scored
@@ -40,9 +41,7 @@ class PrefillCapture:
         arrays = {"doc_keys": self.doc_keys, "doc_values": self.doc_values, "starts": self.starts, "facts": self.facts}
         for i, q in enumerate(self.queries):
             arrays[f"q{i}"] = q.astype(np.float16)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, **arrays)
-        tmp.replace(path)
+        write_npz_atomic(path, arrays)
 
     @classmethod
     def load(cls, path: Path) -> PrefillCapture:
