@@ -666,6 +666,8 @@ def lab(
     """Routing lab: capture the dense model's real queries and keys once per haystack, then replay selection rules offline.
 
     Per rule and budget: the attention-mass recall of the heads that reach beyond the sinks and window, whether the asked fact's region is read by the heads that attend to it, and the KV bytes the rule would read (metadata included). Captures stay in OUT: a second run replays without the engine.
+
+    With --prefill: the queries of the document's own ubatches that hold facts (a routed prefill's choice), and per rule, chunk and budget the attention-output error of those rows against dense prefill.
     """
     import json
 
