@@ -66,6 +66,7 @@ def capture_prefill(session, case, name: str, start: int, log: Callable[[str], N
     """Dense prefill of `case` (its saved state when there is one), then every ubatch past `start`
     that holds a fact prefilled again on the dense history before it, recording its queries."""
     from kvlocal.engine import llama_cpp
+    from kvlocal.errors import EngineError
     from kvlocal.evals.lab import fact_span, needle_of
     from kvlocal.evals.lab_capture import BatchQCapture, state_kv
 
@@ -84,7 +85,7 @@ def capture_prefill(session, case, name: str, start: int, log: Callable[[str], N
     starts, queries = [], []
     for first, end in fact_ubatches(facts, len(tokens), session.n_batch, start):
         if not session._set_state(state):
-            raise RuntimeError("the saved state could not be restored")
+            raise EngineError("the lab could not restore the haystack's dense state")
         module.llama_memory_seq_rm(module.llama_get_memory(session.ctx), 0, first, -1)
         session.llm.n_tokens = first
         capture.active = True
