@@ -101,7 +101,7 @@ DEFAULT_PIN = 2
 # reads (no selection rule does much better than the engine's), so look-alike facts need about a
 # quarter to a half of the regions. PREFILL_TOP_K 64 keeps them within one fact of the dense prefill
 # (16k: 71 % [51-85] vs 75 % [55-88] at 1.37x; 32k: 25 % [12-45] vs 29 % [15-49] at about 2x;
-# n=24 each), where top-16 loads 16k 2.0x and 32k 3.2-3.7x faster but loses them (16k: 31 % vs 69 %).
+# n=24 each), where top-16 loads 16k 2.0x and 32k 3.2-3.7x faster but loses them (16k: 42 % vs 75 %).
 PREFILL_MODES = ("dense", "routed")
 DEFAULT_PREFILL = "dense"
 DEFAULT_PREFILL_TOP_K = 64
