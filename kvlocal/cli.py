@@ -616,15 +616,14 @@ def _lab_captures(out: Path, lengths: list[int], tasks: list[str], seeds: list[i
 
 
 def _lab_prefill(out: Path, lengths: list[int], tasks: list[str], seeds: list[int], depth_list: list[float],
-                 names: list[str], chunks: list[int], ks: list[int], prefill_from: int, region: int, window: int,
-                 sinks: int, model, threads, estimates: bool) -> None:
+                 names: list[str], chunks: list[int], ks: list[int], prefill_from: int, geo, model, threads,
+                 estimates: bool) -> None:
     """`kvlocal lab --prefill`: capture the fact ubatches' queries once per haystack, replay prefill rules."""
     import json
 
     from kvlocal.atomic import write_text_atomic
     from kvlocal.evals import lab_prefill
 
-    geo = lab_prefill.PrefillGeometry(region=region, sinks=sinks, window=window)
     totals: dict = {}
     captures = _lab_captures(
         out, lengths, tasks, seeds, depth_list, model, threads,
@@ -702,7 +701,7 @@ def lab(
             raise UsageError("--chunks: give positive token counts, e.g. 512,128")
         out.mkdir(parents=True, exist_ok=True)
         _lab_prefill(out, _lengths(lengths), task_list, _ints(seeds), depth_list, names, chunk_list, ks,
-                     prefill_from, region, window, sinks, model, threads, estimates)
+                     prefill_from, geo, model, threads, estimates)
         return
     out.mkdir(parents=True, exist_ok=True)
     totals: dict = {}

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from kvlocal.evals import lab_prefill as lp
+from kvlocal.evals.lab_rules import Geometry
 
-GEO = lp.PrefillGeometry(region=4, sinks=4, window=4)
+GEO = Geometry(region=4, sinks=4, window=4)
 
 
 def spike_capture(n_cells: int = 32, spike: int = 9, dim: int = 4, first: int = 24) -> lp.PrefillCapture:
@@ -25,10 +26,10 @@ def spike_capture(n_cells: int = 32, spike: int = 9, dim: int = 4, first: int = 
 
 def test_chunk_geometry_matches_the_engine_plan():
     # llama-kv-cache.cpp route_plan: the window reaches `window` cells before the chunk's first token
-    fixed, cand = lp.PrefillGeometry(region=64, sinks=64, window=128).fixed_and_candidates(640, 1152)
+    fixed, cand = Geometry(region=64, sinks=64, window=128).chunk_fixed_and_candidates(640, 1152)
     assert fixed.tolist() == [0] + list(range(8, 18))  # ceil((128 + 511) / 64) = 10 window regions
     assert cand.tolist() == list(range(1, 8))
-    fixed, cand = GEO.fixed_and_candidates(24, 28)
+    fixed, cand = GEO.chunk_fixed_and_candidates(24, 28)
     assert fixed.tolist() == [0, 5, 6]
     assert cand.tolist() == [1, 2, 3, 4]
 

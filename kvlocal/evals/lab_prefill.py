@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlocal.atomic import write_npz_atomic
-from kvlocal.evals.lab_rules import NEG, block_means
+from kvlocal.evals.lab_rules import NEG, Geometry, block_means, softmax_over
 
 SAMPLE_EVERY = 8  # besides the fact tokens, every SAMPLE_EVERY-th row of a ubatch is scored
 
@@ -79,7 +79,7 @@ def capture_prefill(session, case, name: str, start: int, log: Callable[[str], N
     log(f"{name}: {result.n_tokens:,} tokens ({'cached state' if result.cache_hit else f'prefilled in {result.seconds:.0f} s'})")
     state = session._get_state()
     _, keys, values = state_kv(state, info.n_layer, info.n_head_kv * head_dim)
-    tokens = session.tokenize_prompt(session.parts.prefix_segments(), bos=True)
+    tokens = [int(t) for t in session.llm.input_ids[: result.n_tokens]]  # what was prefilled
     facts = np.array([fact_span(session, needle_of(case, p)) for p in case.probes])
     module = llama_cpp()
     starts, queries = [], []
@@ -113,13 +113,6 @@ class ChunkScores:
     scale: float
 
 
-def _row_softmax(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
-    z = np.where(cand[None, :], sc * scale, NEG)
-    z = z - z.max(axis=1, keepdims=True)
-    p = np.where(cand[None, :], np.exp(z), 0.0)
-    return p / p.sum(axis=1, keepdims=True)
-
-
 def _top(score: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
     s = np.where(cand, score, NEG)
     return np.argsort(-s, kind="stable")[: min(k, int(cand.sum()))]
@@ -132,7 +125,7 @@ def engine_rule(shortlist_share: int, pool: str = "max") -> PrefillRule:
     share x k regions the same way (0: the fine centroids rank every candidate)."""
 
     def pooled(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
-        p = _row_softmax(sc, cand, scale)
+        p = softmax_over(sc, cand[None, :], scale)
         return p.max(axis=0) if pool == "max" else p.sum(axis=0)
 
     def rule(cs: ChunkScores, cand: np.ndarray, k: int) -> np.ndarray:
@@ -165,24 +158,6 @@ PREFILL_RULES: dict[str, PrefillRule] = {
 }
 
 
-@dataclass(frozen=True)
-class PrefillGeometry:
-    region: int = 64
-    sinks: int = 64
-    window: int = 128
-
-    def fixed_and_candidates(self, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """Region ids a chunk of cells [first, end) always reads (sinks; the window, which reaches
-        `window` cells before its first token, and the regions that hold the chunk) and those it
-        chooses from (llama-kv-cache.cpp route_plan for a ubatch)."""
-        n_used = (end - 1) // self.region + 1
-        n_sink = -(-self.sinks // self.region)
-        n_win = max(1, -(-(self.window + end - first - 1) // self.region))
-        ids = np.arange(n_used)
-        fixed = (ids < n_sink) | (ids >= n_used - n_win)
-        return ids[fixed], ids[~fixed]
-
-
 @dataclass
 class PrefillTotals:
     """Per (rule, chunk, k): per scored row, its attention-output error and recall, fact rows apart."""
@@ -198,7 +173,7 @@ class PrefillTotals:
 
 
 def replay_prefill(cap: PrefillCapture, rules: Sequence[str], chunks: Sequence[int], budgets: Sequence[int],
-                   geo: PrefillGeometry, totals: dict | None = None, block: int = 8,
+                   geo: Geometry, totals: dict | None = None, block: int = 8,
                    layers: Sequence[int] | None = None, estimates: Sequence[str] = ()) -> dict:
     """Replay `rules` for every chunk size and budget on every captured ubatch; adds into `totals`
     {(rule, chunk, k): PrefillTotals}. `estimates` (names of ESTIMATES) also score each rule with
@@ -219,6 +194,7 @@ def replay_prefill(cap: PrefillCapture, rules: Sequence[str], chunks: Sequence[i
                 in_fact[lo - first:hi - first] = True
         scored = np.flatnonzero(in_fact | (np.arange(n_tok) % SAMPLE_EVERY == 0))
         pos_scored = int(first) + scored
+        f = in_fact[scored]  # which scored rows are a fact's
         for il in (layers if layers is not None else range(n_layer)):
             for h in range(n_head_kv):
                 sl = slice(h * dim, (h + 1) * dim)
@@ -235,16 +211,18 @@ def replay_prefill(cap: PrefillCapture, rules: Sequence[str], chunks: Sequence[i
                 qs = q[scored]  # [m, group, dim]
                 lg = (qs @ keys.T) * np.float32(scale)
                 lg = np.where(np.arange(end)[None, None, :] <= pos_scored[:, None, None], lg, NEG)
-                p = np.exp(lg - lg.max(axis=2, keepdims=True))
-                p /= p.sum(axis=2, keepdims=True)
+                lg_max = lg.max(axis=2)
+                p = np.exp(lg - lg_max[..., None])
+                z_dense = p.sum(axis=2)
+                p /= z_dense[..., None]
                 pad = n_reg * geo.region - end
                 pr = np.pad(p, ((0, 0), (0, 0), (0, pad))).reshape(len(scored), group, n_reg, geo.region)
                 vr = np.pad(vals, ((0, pad), (0, 0))).reshape(n_reg, geo.region, dim)
                 mass = pr.sum(axis=3)  # [m, group, n_reg]
                 # estimates of each region's share (mass, output numerator) from block means: what the
                 # unread regions would add if they joined the attention as their means
-                log_z = np.log(np.exp(lg - lg.max(axis=2, keepdims=True)).sum(axis=2)) + lg.max(axis=2) if estimates else None
-                estimates = {name: region_estimate(qs, keys, vals, n_reg, geo.region, geo.region if per == "region" else block,
+                log_z = np.log(z_dense) + lg_max  # [m, group]
+                estimated = {name: region_estimate(qs, keys, vals, n_reg, geo.region, geo.region if per == "region" else block,
                                                    scale, log_z, var)
                              for name, (per, var) in ESTIMATES.items() if name in estimates}
                 # [m, group, n_reg, dim]: one batched product per region
@@ -261,7 +239,7 @@ def replay_prefill(cap: PrefillCapture, rules: Sequence[str], chunks: Sequence[i
                         rows = (scored >= c0) & (scored < c1)
                         if not rows.any():
                             continue
-                        fixed, cand_ids = geo.fixed_and_candidates(int(first) + c0, int(first) + c1)
+                        fixed, cand_ids = geo.chunk_fixed_and_candidates(int(first) + c0, int(first) + c1)
                         cand = np.zeros(n_reg, bool)
                         cand[cand_ids] = True
                         cs = ChunkScores(fine[c0:c1].reshape(-1, n_reg), coarse[c0:c1].reshape(-1, n_reg),
@@ -274,15 +252,14 @@ def replay_prefill(cap: PrefillCapture, rules: Sequence[str], chunks: Sequence[i
                                 m[np.ix_(rows, sel)] = True
                     for (name, k), m in read.items():
                         got = (mass * m[:, None, :]).sum(axis=2)  # [m, group]
-                        out = np.matmul(m.astype(np.float32)[:, None, None, :], part)[:, :, 0] / np.maximum(got, 1e-30)[..., None]
-                        err = np.linalg.norm(out - dense_out, axis=-1) / np.maximum(dense_norm, 1e-30)
+                        num = np.matmul(m.astype(np.float32)[:, None, None, :], part)[:, :, 0]  # [m, group, dim]
+                        err = np.linalg.norm(num / np.maximum(got, 1e-30)[..., None] - dense_out, axis=-1) / np.maximum(dense_norm, 1e-30)
                         t = totals.setdefault((name, chunk, k), PrefillTotals([], [], [], [], defaultdict(list)))
-                        f = in_fact[scored]
                         unread = (~m).astype(np.float32)[:, None, :, None]  # [m, 1, n_reg, 1]
-                        for est, (e_mass, e_part) in estimates.items():
+                        for est, (e_mass, e_part) in estimated.items():
                             z = got + (e_mass * unread[..., 0]).sum(axis=2)
-                            num = np.matmul(m.astype(np.float32)[:, None, None, :], part)[:, :, 0] + (e_part * unread).sum(axis=2)
-                            e_err = np.linalg.norm(num / z[..., None] - dense_out, axis=-1) / np.maximum(dense_norm, 1e-30)
+                            e_num = num + (e_part * unread).sum(axis=2)
+                            e_err = np.linalg.norm(e_num / z[..., None] - dense_out, axis=-1) / np.maximum(dense_norm, 1e-30)
                             t.err_est.setdefault(est, []).extend(e_err[f].ravel().tolist())
                         t.err_fact += err[f].ravel().tolist()
                         t.err_rest += err[~f].ravel().tolist()

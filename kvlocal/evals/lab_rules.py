@@ -29,9 +29,14 @@ class Geometry:
     def fixed_and_candidates(self, pos: int) -> tuple[np.ndarray, np.ndarray]:
         """Region ids every head reads (sinks, window) and the ones routing chooses from, for a
         token at `pos` that sees cells 0..pos."""
-        n_used = pos // self.region + 1
+        return self.chunk_fixed_and_candidates(pos, pos + 1)
+
+    def chunk_fixed_and_candidates(self, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The same for a ubatch of cells [first, end): the window reaches `window` cells before its
+        first token, and the regions that hold the ubatch are read too."""
+        n_used = (end - 1) // self.region + 1
         n_sink = -(-self.sinks // self.region)
-        n_win = max(1, -(-self.window // self.region))
+        n_win = max(1, -(-(self.window + end - first - 1) // self.region))
         ids = np.arange(n_used)
         fixed = (ids < n_sink) | (ids >= n_used - n_win)
         return ids[fixed], ids[~fixed]
@@ -198,8 +203,9 @@ def two_level_rule(coarse: int, fine: int, shortlist: int, kind: str = "f16") ->
     return rule
 
 
-def _softmax_over(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
-    """Per step, the softmax of the candidates' scores at the attention's scale (0 elsewhere)."""
+def softmax_over(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
+    """Per step (row), the softmax of the candidates' scores at the attention's scale (0 elsewhere);
+    `cand` is [steps, regions], or [1, regions] for candidates every row shares."""
     z = np.where(cand, sc * scale, NEG)
     z = z - z.max(axis=1, keepdims=True)
     p = np.where(cand, np.exp(z), 0.0)
@@ -216,7 +222,7 @@ def persistent_rule(rule: Rule, gamma: float, combine: str = "max",
 
     def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         sc, scan = rule(head, geo, cand)
-        p = _softmax_over(sc, cand, head.scale)
+        p = softmax_over(sc, cand, head.scale)
         run = np.zeros_like(p)
         prev = np.zeros(p.shape[1])
         for i in range(p.shape[0]):
@@ -240,7 +246,7 @@ def question_pin_rule(rule: Rule, pins: int, evidence: str = "scores") -> Rule:
         if evidence == "mass":
             ev = region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1) * cand
         else:
-            ev = _softmax_over(sc, cand, head.scale)
+            ev = softmax_over(sc, cand, head.scale)
         acc = np.zeros(ev.shape[1])
         out = np.array(sc, dtype=np.float64)
         for i in range(ev.shape[0]):
