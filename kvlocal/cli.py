@@ -17,10 +17,8 @@ from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK as CENTROID_BLOCK,
     DEFAULT_CENTROID_TYPE as CENTROID_TYPE,
     DEFAULT_PIN as PIN,
-    DEFAULT_ESTIMATE as ESTIMATE,
     DEFAULT_KEEP as KEEP,
     DEFAULT_PREFILL as PREFILL,
-    DEFAULT_PREFILL_ESTIMATE as PREFILL_ESTIMATE,
     DEFAULT_PREFILL_FROM as PREFILL_FROM,
     DEFAULT_PREFILL_TOP_K as PREFILL_TOP_K,
     DEFAULT_PREFILL_UBATCH as PREFILL_UBATCH,
@@ -140,10 +138,6 @@ KeepOpt = Annotated[float, typer.Option(
     "--keep", min=0.0, max=0.999, help="Selection memory over the steps of one answer: a region keeps this share of "
     "what it scored on the step before, so a region the question found stays read while the answer is copied from "
     "it. 0 selects afresh at every step.")]
-EstimateOpt = Annotated[bool, typer.Option(
-    "--estimate/--no-estimate", help="Regions a step does not read still join its attention, each as its mean key and "
-    "mean value weighted by its token count, so the softmax keeps the mass routing would drop (reads one mean value "
-    "per region). Needs 64-token regions and a centroid block under 64.")]
 QuestionOpt = Annotated[str, typer.Option(
     "--question-pass", help="How the question's tokens read the document: routed (one batch whose queries choose "
     "--question-top-k regions together, read once), dense (one batch that reads the whole cache once) or steps "
@@ -166,9 +160,6 @@ PrefillTopKOpt = Annotated[int, typer.Option(
 PrefillUbatchOpt = Annotated[int, typer.Option(
     "--prefill-ubatch", min=1, max=MAX_CTX, help="Tokens per routed ubatch (at most 512): the queries of one "
     "ubatch choose one set of regions, so a smaller ubatch chooses for fewer tokens at a time.")]
-PrefillEstimateOpt = Annotated[bool, typer.Option(
-    "--prefill-estimate/--no-prefill-estimate", help="The regions a routed prefill's ubatch does not read still join "
-    "its attention, each as its mean key and mean value weighted by its token count (as --estimate does for decoding).")]
 PrefillFromOpt = Annotated[int, typer.Option(
     "--prefill-from", min=0, max=MAX_CTX, help="Tokens of the document prefilled densely before a routed prefill "
     "starts routing.")]
@@ -185,22 +176,21 @@ def _text_arg(text: str) -> str:
 
 
 def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0,
-           shortlist: int = SHORTLIST, keep: float = KEEP, estimate: bool = ESTIMATE, question: str = QUESTION,
+           shortlist: int = SHORTLIST, keep: float = KEEP, question: str = QUESTION,
            question_top_k: int = QUESTION_TOP_K, pin: int = PIN):
     from kvlocal.routing import RouteConfig, check_region_block
 
     config = RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed,
-                         shortlist=shortlist, keep=keep, estimate=estimate, question=question,
+                         shortlist=shortlist, keep=keep, question=question,
                          question_top_k=question_top_k, pin=pin)
     check_region_block(region, centroid_block)
     return config
 
 
-def _prefill(prefill: str, top_k: int = PREFILL_TOP_K, start: int = PREFILL_FROM, ubatch: int = PREFILL_UBATCH,
-             estimate: bool = PREFILL_ESTIMATE):
+def _prefill(prefill: str, top_k: int = PREFILL_TOP_K, start: int = PREFILL_FROM, ubatch: int = PREFILL_UBATCH):
     from kvlocal.routing import PrefillConfig
 
-    return PrefillConfig(mode=prefill, top_k=top_k, start=start, ubatch=ubatch, estimate=estimate)
+    return PrefillConfig(mode=prefill, top_k=top_k, start=start, ubatch=ubatch)
 
 
 def _check_out_file(path: Path) -> None:
@@ -295,7 +285,6 @@ def ask(
     centroid_type: CentroidTypeOpt = CENTROID_TYPE,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
-    estimate: EstimateOpt = ESTIMATE,
     question_pass: QuestionOpt = QUESTION,
     question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
     pin: PinOpt = PIN,
@@ -303,17 +292,16 @@ def ask(
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
     prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
-    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
     from kvlocal.ingest import load_document
     from kvlocal.session import check_ask_settings
 
-    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate, question_pass,
+    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, question_pass,
                        question_top_k, pin)
     _centroid_type(centroid_type)
-    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
+    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch)
     question = _text_arg(question)  # the document stays as given: a path
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
@@ -422,10 +410,9 @@ def tui(
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
     prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
-    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
 ) -> None:
     """The interactive app: load, ask, and watch which KV regions each step reads."""
-    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
+    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch)
     _check_terminal()  # before textual is imported
     from kvlocal.tui.app import run_app
 
@@ -516,7 +503,6 @@ def eval_(
     centroid_type: CentroidTypeOpt = CENTROID_TYPE,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
-    estimate: EstimateOpt = ESTIMATE,
     question_pass: QuestionOpt = QUESTION,
     question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
     pin: PinOpt = PIN,
@@ -524,7 +510,6 @@ def eval_(
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
     prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
-    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens per probe (default: by task).")] = None,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
@@ -548,11 +533,11 @@ def eval_(
         tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=[m.strip() for m in modes.split(",")],
         seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks,
         sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K),
-        shortlist=shortlist, keep=keep, estimate=estimate, question=question_pass, question_top_k=question_top_k,
-        pin=pin, max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate),
+        shortlist=shortlist, keep=keep, question=question_pass, question_top_k=question_top_k,
+        pin=pin, max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch),
     )
     for mode in config.modes:
-        _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate, question_pass,
+        _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, question_pass,
                question_top_k, pin)  # validates
     _centroid_type(centroid_type)
     unknown = [t for t in config.tasks if t not in TASKS]
@@ -744,7 +729,6 @@ def bench(
     centroid_type: CentroidTypeOpt = CENTROID_TYPE,
     shortlist: ShortlistOpt = SHORTLIST,
     keep: KeepOpt = KEEP,
-    estimate: EstimateOpt = ESTIMATE,
     question_pass: QuestionOpt = QUESTION,
     question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
@@ -752,7 +736,6 @@ def bench(
     prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
     prefill_from: PrefillFromOpt = PREFILL_FROM,
     prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
-    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
     out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
@@ -763,12 +746,12 @@ def bench(
     from kvlocal.evals.runner import make_case
     from kvlocal.units import human_bytes
 
-    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate,
+    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep,
                    question_pass, question_top_k)
     _centroid_type(centroid_type)
     context_lengths = _lengths(lengths)
     prefill_context = [] if prefill_lengths.strip().lower() == "none" else _lengths(prefill_lengths)
-    prefill_cfg = _prefill("routed", prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
+    prefill_cfg = _prefill("routed", prefill_top_k, prefill_from, prefill_ubatch)
     if out:
         _check_out_file(out)
     session = _open_session(model, None, threads, "f16", centroid_block, centroid_type)

@@ -61,15 +61,6 @@ def auto_shortlist(n_regions: int) -> int:
 # max(its share now, KEEP x what it had the step before). 0 selects afresh at every step.
 DEFAULT_KEEP = 0.9
 
-# The estimate of the unread regions (patch 0007): every region a step does not read joins its
-# attention as its mean key and mean value, weighted by its cell count, so the softmax keeps the
-# mass routing would drop. Needs 64-token regions and a centroid block under 64. Off by default since
-# the question is read densely: top-4 / shortlist 16 without it answered as many look-alike facts as
-# full attention at 8k and 16k (88 %, 69 %) and more than with it at 32k (7 vs 5 of 24), and a step
-# skips the mean values of every region (at 32k 6.7 of the 29.2 MiB a step read with it). It had
-# helped while the question's own tokens were routed.
-DEFAULT_ESTIMATE = False
-
 # How the question's tokens read the document (patch 0007): "dense" sends them as one batch that
 # reads the whole cache once; "routed" as one batch whose queries choose QUESTION_TOP_K regions
 # together, read once for the whole question; "steps" decodes them one by one through the route,
@@ -94,8 +85,7 @@ DEFAULT_PIN = 2
 # "routed" lets a ubatch that starts PREFILL_FROM or more tokens into the document read the sinks,
 # the window before it, itself and the PREFILL_TOP_K regions per layer and KV head that its queries
 # choose together (patch 0007's routed ubatch, the decode route's geometry: 64-token regions,
-# 64 sinks, a 128-token window, a shortlist of PREFILL_SHORTLIST_SHARE x top-k, no memory, no
-# estimate). A routed prefill writes other K/V bytes than a dense one, so its saved state is keyed
+# 64 sinks, a 128-token window, a shortlist of PREFILL_SHORTLIST_SHARE x top-k, no memory). A routed prefill writes other K/V bytes than a dense one, so its saved state is keyed
 # apart. Dense stays the default. The prefill lab (BENCHMARKS.md, session (7)) found a fact token's
 # prefill attention diffuse: the error a routed ubatch hands on is set by the share of the document it
 # reads (no selection rule does much better than the engine's), so look-alike facts need about a
@@ -108,7 +98,6 @@ DEFAULT_PREFILL_TOP_K = 64
 DEFAULT_PREFILL_FROM = 4096
 DEFAULT_PREFILL_UBATCH = 512  # tokens per routed ubatch (at most the context's ubatch): one selection each
 PREFILL_SHORTLIST_SHARE = 4
-DEFAULT_PREFILL_ESTIMATE = False  # the regions a routed ubatch does not read join it as their mean key and value
 
 # -- bounds -----------------------------------------------------------------------------------------
 # The largest values the CLI accepts (typer min/max: a usage error before any work) and RouteConfig

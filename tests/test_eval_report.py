@@ -43,10 +43,10 @@ def test_sweep_counts_centroid_block_as_part_of_the_budget():
 
 
 def test_main_cells_use_the_default_scoring_when_others_ran_too():
-    from kvlocal.route_settings import DEFAULT_CENTROID_TYPE, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_SHORTLIST
+    from kvlocal.route_settings import DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_SHORTLIST
 
     default = dict(_row("geometric", 0.0, block=report.DEFAULT_CENTROID_BLOCK, bytes_read=80, bytes_meta=30),
-                   shortlist=DEFAULT_SHORTLIST, keep=DEFAULT_KEEP, estimate=DEFAULT_ESTIMATE,
+                   shortlist=DEFAULT_SHORTLIST, keep=DEFAULT_KEEP,
                    centroid_type=DEFAULT_CENTROID_TYPE, pin=report.DEFAULT_PIN)
     rows = [
         _row("full", 1.0, bytes_read=1000),
@@ -119,12 +119,12 @@ def test_scoring_configurations_are_told_apart():
     """Two-level scoring and the selection memory are part of a budget point; the default scoring
     makes the main cells and carries no label."""
     from kvlocal.route_settings import (
-        DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_QUESTION,
+        DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_QUESTION,
         DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST,
     )
 
     default = {"centroid_block": DEFAULT_CENTROID_BLOCK, "shortlist": DEFAULT_SHORTLIST, "keep": DEFAULT_KEEP,
-               "estimate": DEFAULT_ESTIMATE, "question": DEFAULT_QUESTION, "question_top_k": DEFAULT_QUESTION_TOP_K,
+               "question": DEFAULT_QUESTION, "question_top_k": DEFAULT_QUESTION_TOP_K,
                "centroid_type": DEFAULT_CENTROID_TYPE, "pin": report.DEFAULT_PIN}
     other_type = "f16" if DEFAULT_CENTROID_TYPE == "q8_0" else "q8_0"
     rows = [

@@ -10,7 +10,7 @@ from statistics import mean
 
 from kvlocal.atomic import write_text_atomic
 from kvlocal.route_settings import (
-    DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_PIN, DEFAULT_QUESTION,
+    DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_PIN, DEFAULT_QUESTION,
     DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST, MODES, SHORTLIST_AUTO,
 )
 
@@ -40,30 +40,29 @@ def question_pass(row: dict) -> str:
     return f"q{row.get('question_top_k', 0)}" if question == "routed" else question
 
 
-def scoring(row: dict) -> tuple[int, int, float, bool, str, str, int]:
-    """How a geometric row scored and read regions: (centroid block, shortlist, keep, estimate,
-    question pass, centroid type, pins); rows written before two-level scoring, the selection
-    memory, the estimate, the question batch, Q8_0 centroids and pins scanned every centroid, kept no
-    memory, dropped the unread regions, decoded the question token by token, kept F16 centroids and
-    pinned nothing."""
-    return (block(row), row.get("shortlist", 0), row.get("keep", 0.0), row.get("estimate", False), question_pass(row),
+def scoring(row: dict) -> tuple[int, int, float, str, str, int]:
+    """How a geometric row scored and read regions: (centroid block, shortlist, keep, question pass,
+    centroid type, pins); rows written before two-level scoring, the selection memory, the question
+    batch, Q8_0 centroids and pins scanned every centroid, kept no memory, decoded the question token
+    by token, kept F16 centroids and pinned nothing."""
+    return (block(row), row.get("shortlist", 0), row.get("keep", 0.0), question_pass(row),
             row.get("centroid_type", "f16"), row.get("pin", 0))
 
 
-DEFAULT_SCORING = (DEFAULT_CENTROID_BLOCK, DEFAULT_SHORTLIST, DEFAULT_KEEP, DEFAULT_ESTIMATE,
+DEFAULT_SCORING = (DEFAULT_CENTROID_BLOCK, DEFAULT_SHORTLIST, DEFAULT_KEEP,
                    question_pass({"question": DEFAULT_QUESTION, "question_top_k": DEFAULT_QUESTION_TOP_K}),
                    DEFAULT_CENTROID_TYPE, DEFAULT_PIN)
 
 
 def scoring_label(point: dict) -> str:
-    """'' for the default scoring, else e.g. '/b16' or '/b4 s32 keep 0.9 est steps q8_0' (the centroid
+    """'' for the default scoring, else e.g. '/b16' or '/b4 s32 keep 0.9 steps q8_0' (the centroid
     type named unless it is f16, the type of every row written before it was recorded)."""
-    b, s, k, e = point["centroid_block"], point.get("shortlist", 0), point.get("keep", 0.0), point.get("estimate", False)
+    b, s, k = point["centroid_block"], point.get("shortlist", 0), point.get("keep", 0.0)
     q, t, pin = point.get("question", "steps"), point.get("centroid_type", "f16"), point.get("pin", 0)
-    if (b, s, k, e, q, t, pin) == DEFAULT_SCORING:
+    if (b, s, k, q, t, pin) == DEFAULT_SCORING:
         return ""
     shortlist = " s auto" if s == SHORTLIST_AUTO else f" s{s}" if s else ""
-    return (f"/b{b}" + shortlist + (f" keep {k:g}" if k else "") + (" est" if e else "") + f" {q}"
+    return (f"/b{b}" + shortlist + (f" keep {k:g}" if k else "") + f" {q}"
             + (f" {t}" if t != "f16" else "") + (f" pin {pin}" if pin else ""))
 
 
@@ -91,7 +90,7 @@ def main_budget(rows: list[dict]) -> int | None:
     return min(ks) if ks else None
 
 
-def main_scoring(rows: list[dict]) -> tuple[int, int, float, bool, str, str, int]:
+def main_scoring(rows: list[dict]) -> tuple[int, int, float, str, str, int]:
     """The scoring of the main geometric cells: the default one if it ran, else the one with the
     smallest centroid block (the finest)."""
     ran = {scoring(r) for r in rows if r["mode"] == "geometric"}
@@ -122,7 +121,7 @@ def summarize(rows: list[dict]) -> dict:
             "prefill_tps": _first([r["prefill_tps"] for r in group]),
         })
     return {"main_top_k": k0, "main_centroid_block": s0[0], "main_shortlist": s0[1], "main_keep": s0[2],
-            "main_estimate": s0[3], "main_question": s0[4], "main_centroid_type": s0[5], "main_pin": s0[6],
+            "main_question": s0[3], "main_centroid_type": s0[4], "main_pin": s0[5],
             "cells": cells, "sweep": sweep(rows)}
 
 
@@ -138,13 +137,13 @@ def sweep(rows: list[dict]) -> list[dict]:
         full_acc = dense["accuracy"]
         points = []
         geo = [dict(r, centroid_block=block(r), shortlist=r.get("shortlist", 0), keep=r.get("keep", 0.0),
-                    estimate=r.get("estimate", False), question=question_pass(r),
+                    question=question_pass(r),
                     centroid_type=r.get("centroid_type", "f16"), pin=r.get("pin", 0))
                for r in group if r["mode"] == "geometric"]
-        for (b, s, kp, e, q, t, pin, k), g in sorted(_group(geo, "centroid_block", "shortlist", "keep", "estimate",
-                                                            "question", "centroid_type", "pin", "top_k").items()):
+        for (b, s, kp, q, t, pin, k), g in sorted(_group(geo, "centroid_block", "shortlist", "keep", "question",
+                                                         "centroid_type", "pin", "top_k").items()):
             far = _accuracy([r for r in g if _outside_window(r)])
-            points.append({"top_k": k, "centroid_block": b, "shortlist": s, "keep": kp, "estimate": e, "question": q,
+            points.append({"top_k": k, "centroid_block": b, "shortlist": s, "keep": kp, "question": q,
                            "centroid_type": t, "pin": pin,
                            **_accuracy(g),
                            "accuracy_outside_window": far["accuracy"], "n_outside": far["n"],
@@ -248,7 +247,7 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
     written = []
     k0 = summary["main_top_k"]
     s0 = (summary.get("main_centroid_block", DEFAULT_CENTROID_BLOCK), summary.get("main_shortlist", 0),
-          summary.get("main_keep", 0.0), summary.get("main_estimate", False), summary.get("main_question", "steps"),
+          summary.get("main_keep", 0.0), summary.get("main_question", "steps"),
           summary.get("main_centroid_type", "f16"), summary.get("main_pin", 0))
     for task in sorted({r["task"] for r in rows if r["depth"] >= 0}):
         task_rows = [r for r in rows if r["task"] == task and (r["mode"] == "full" or r["top_k"] == k0)

@@ -16,7 +16,6 @@ from pathlib import Path
 from kvlocal.errors import UsageError
 from kvlocal.evals.tasks import Case, build_case, score
 from kvlocal.route_settings import (
-    DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
     DEFAULT_PIN,
     DEFAULT_QUESTION,
@@ -53,7 +52,6 @@ class GridConfig:
     sweep: list[int] = field(default_factory=list)  # extra geometric budgets (top-k values)
     shortlist: int = DEFAULT_SHORTLIST  # two-level scoring (0: one pass over every fine centroid)
     keep: float = DEFAULT_KEEP  # selection memory (0: none)
-    estimate: bool = DEFAULT_ESTIMATE  # unread regions estimated from their means
     question: str = DEFAULT_QUESTION  # how the question reads the document: routed, dense or steps
     question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions a routed question reads
     pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (geometric only)
@@ -70,7 +68,7 @@ class GridConfig:
 
     def route(self, mode: str, top_k: int) -> RouteConfig:
         route = RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks,
-                            shortlist=self.shortlist, keep=self.keep, estimate=self.estimate, question=self.question,
+                            shortlist=self.shortlist, keep=self.keep, question=self.question,
                             question_top_k=self.question_top_k, pin=self.pin)
         return replace(route, pin=route.pins)  # rows record the pins that acted (0 for the controls)
 
@@ -109,11 +107,15 @@ def row_key(row: dict) -> tuple:
             row.get("max_tokens", task_answer_tokens(row["task"])),  # older rows ran at the task's default
             row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
             row.get("keep", 0.0),  # ... and selected afresh at every step
-            row.get("estimate", False),  # ... and dropped the unread regions' mass
             question_pass(row),  # ... and decoded the question token by token
             row.get("prefill", "dense"),  # ... and prefilled the haystack densely
             row.get("centroid_type", "f16"),  # ... and kept the centroids in F16
             row.get("pin", 0))  # ... and pinned nothing by the question
+
+
+# row keys of experiment switches since removed (the estimate of the unread regions): a row that ran
+# with one on is skipped on loading, so it neither counts as a cell done nor joins a summary
+RETIRED_SWITCHES = ("estimate",)
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -126,6 +128,8 @@ def load_rows(path: Path) -> list[dict]:
             row_key(row)
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short by an interrupt, or not one of our rows
+        if any(row.get(switch) for switch in RETIRED_SWITCHES):
+            continue  # an experiment the route no longer has: not a result of any setting it can run
         rows.append(row)
     return rows
 
@@ -183,7 +187,7 @@ def _key(length, task, seed, probe_index, route, haystack_name, session, max_tok
                     "top_k": route.top_k, "region": route.region, "window": route.window, "sinks": route.sinks,
                     "haystack": haystack_name, "centroid_block": session.centroid_block,
                     "centroid_type": session.centroid_type, "max_tokens": max_tokens,
-                    "shortlist": route.shortlist, "keep": route.keep, "estimate": route.estimate,
+                    "shortlist": route.shortlist, "keep": route.keep,
                     "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag,
                     "pin": route.pin})
 
