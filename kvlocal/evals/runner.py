@@ -110,12 +110,8 @@ def row_key(row: dict) -> tuple:
             question_pass(row),  # ... and decoded the question token by token
             row.get("prefill", "dense"),  # ... and prefilled the haystack densely
             row.get("centroid_type", "f16"),  # ... and kept the centroids in F16
-            row.get("pin", 0))  # ... and pinned nothing by the question
-
-
-# row keys of experiment switches since removed (the estimate of the unread regions): a row that ran
-# with one on is skipped on loading, so it neither counts as a cell done nor joins a summary
-RETIRED_SWITCHES = ("estimate",)
+            row.get("pin", 0),  # ... and pinned nothing by the question
+            row.get("estimate", False))  # a row that ran the retired estimate of unread regions: another cell
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -128,8 +124,6 @@ def load_rows(path: Path) -> list[dict]:
             row_key(row)
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short by an interrupt, or not one of our rows
-        if any(row.get(switch) for switch in RETIRED_SWITCHES):
-            continue  # an experiment the route no longer has: not a result of any setting it can run
         rows.append(row)
     return rows
 

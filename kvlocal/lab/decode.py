@@ -1,4 +1,4 @@
-"""The routing lab: capture the dense model once per case, replay any number of selection rules offline.
+"""The decode lab (`kvlocal lab`): capture the dense model once per case, replay any number of selection rules offline.
 
 `capture_case` prefills a haystack (or restores its saved state), decodes every probe densely while
 recording the real post-RoPE queries and keys of every layer, and saves them (an .npz per case, so
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from kvlocal.atomic import write_npz_atomic
-from kvlocal.evals.lab_rules import RULES, Geometry, Head, HeadResult, replay
 from kvlocal.evals.tasks import Case, Probe
+from kvlocal.lab.rules import RULES, Geometry, Head, HeadResult, replay
 
 FAR_TAIL = 0.2  # a (step, layer, head) "reaches far" when this share of its attention is outside sinks and window
 TOP_PAIRS = 10  # the (layer, head) pairs per step that attend most to the asked fact
@@ -84,8 +84,8 @@ def needle_of(case: Case, probe: Probe) -> str:
 
 def capture_case(session, case: Case, name: str, max_tokens: int, log: Callable[[str], None] = print) -> CaseCapture:
     """Dense decode of every probe of `case`, recording Q and K of every layer at every step."""
-    from kvlocal.evals.lab_capture import QKCapture, state_kv
     from kvlocal.evals.tasks import score
+    from kvlocal.lab.capture import QKCapture, state_kv
     from kvlocal.routing import RouteConfig
 
     info = session.model.info

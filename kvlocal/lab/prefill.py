@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from kvlocal.atomic import write_npz_atomic
-from kvlocal.evals.lab_rules import NEG, Geometry, block_means, softmax_over
+from kvlocal.lab.rules import NEG, Geometry, block_means, softmax_over
+from kvlocal.route_settings import PREFILL_SHORTLIST_SHARE
 
 SAMPLE_EVERY = 8  # besides the fact tokens, every SAMPLE_EVERY-th row of a ubatch is scored
 
@@ -67,8 +68,8 @@ def capture_prefill(session, case, name: str, start: int, log: Callable[[str], N
     that holds a fact prefilled again on the dense history before it, recording its queries."""
     from kvlocal.engine import llama_cpp
     from kvlocal.errors import EngineError
-    from kvlocal.evals.lab import fact_span, needle_of
-    from kvlocal.evals.lab_capture import BatchQCapture, state_kv
+    from kvlocal.lab.capture import BatchQCapture, state_kv
+    from kvlocal.lab.decode import fact_span, needle_of
 
     info = session.model.info
     head_dim = info.head_dim or info.n_embd // info.n_head
@@ -118,15 +119,14 @@ def _top(score: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-s, kind="stable")[: min(k, int(cand.sum()))]
 
 
-def engine_rule(shortlist_share: int, pool: str = "max") -> PrefillRule:
-    """The engine's routed ubatch (patch 0007, build_route_pool): each query row shares a softmax
-    over the regions' best centroid; a region scores the largest share any row gives it ("max"), or
-    the rows' summed shares ("sum"). With a shortlist share, the coarse centroids first keep
-    share x k regions the same way (0: the fine centroids rank every candidate)."""
+def engine_rule(shortlist_share: int) -> PrefillRule:
+    """The engine's routed ubatch: each query row shares a softmax over the regions' best fine
+    centroid and a region scores the largest share any row gives it. With a shortlist share, the
+    coarse centroids first keep share x k regions the same way (0: the fine centroids rank every
+    candidate)."""
 
     def pooled(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
-        p = softmax_over(sc, cand[None, :], scale)
-        return p.max(axis=0) if pool == "max" else p.sum(axis=0)
+        return softmax_over(sc, cand[None, :], scale).max(axis=0)
 
     def rule(cs: ChunkScores, cand: np.ndarray, k: int) -> np.ndarray:
         if shortlist_share:
@@ -138,23 +138,14 @@ def engine_rule(shortlist_share: int, pool: str = "max") -> PrefillRule:
     return rule
 
 
-def oracle_rule(pool: str) -> PrefillRule:
-    """Reference: the regions with the most exact attention mass of the scored rows (summed, or each
-    region's largest share of one row)."""
-
-    def rule(cs: ChunkScores, cand: np.ndarray, k: int) -> np.ndarray:
-        return _top(cs.mass.sum(axis=0) if pool == "sum" else cs.mass.max(axis=0), cand, k)
-
-    return rule
+def oracle_rule(cs: ChunkScores, cand: np.ndarray, k: int) -> np.ndarray:
+    """Reference: the regions with the most exact attention mass summed over the scored rows."""
+    return _top(cs.mass.sum(axis=0), cand, k)
 
 
 PREFILL_RULES: dict[str, PrefillRule] = {
-    "engine": engine_rule(4),  # today's routed prefill: shortlist 4 x k by the coarse centroids, max share
-    "engine-sum": engine_rule(4, "sum"),
-    "fine": engine_rule(0),  # no coarse shortlist
-    "fine-sum": engine_rule(0, "sum"),
-    "oracle-sum": oracle_rule("sum"),
-    "oracle-max": oracle_rule("max"),
+    "engine": engine_rule(PREFILL_SHORTLIST_SHARE),  # the routed prefill as the engine runs it
+    "oracle-sum": oracle_rule,
 }
 
 

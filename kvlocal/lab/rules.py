@@ -1,6 +1,6 @@
 """The routing lab's replay: selection rules scored against exact attention, offline, in numpy.
 
-Inputs are the dense model's real queries and keys of one layer and KV head (see lab_capture):
+Inputs are the dense model's real queries and keys of one layer and KV head (see capture):
 `q` [steps, group, dim] (the query heads that share the KV head), `keys` [cells, dim] and the
 position of each step. Every rule ranks the candidate regions (neither sinks nor window) of each
 step; the metrics compare what it selects with the exact softmax attention of those steps.
@@ -116,8 +116,8 @@ def _n_regions(head: Head, geo: Geometry) -> int:
 
 
 def mean_rule(block: int, kind: str = "f16") -> Rule:
-    """Mean key of every `block` cells, raw q.c, max over the region's blocks and the group (main's rule).
-    `kind`: the type the means are stored in (the scan counts its bytes)."""
+    """Mean key of every `block` cells, raw q.c, max over the region's blocks and the group (the
+    engine's one-pass scoring). `kind`: the type the means are stored in (the scan counts its bytes)."""
 
     def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         n_reg = _n_regions(head, geo)
@@ -129,35 +129,6 @@ def mean_rule(block: int, kind: str = "f16") -> Rule:
     return rule
 
 
-def softmax_mean_rule(block: int) -> Rule:
-    """ShadowKV's pooling: per query head softmax over the block scores, then max over the group."""
-
-    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
-        n_reg = _n_regions(head, geo)
-        c = block_means(head.keys, block, n_reg, geo.region)
-        lg = np.einsum("sgd,bd->sgb", head.q, c) * head.scale
-        lg = np.where(np.repeat(cand, geo.region // block, axis=1)[:, None, :], lg, NEG)
-        lg = lg - lg.max(axis=-1, keepdims=True)
-        p = np.exp(lg)
-        p /= p.sum(axis=-1, keepdims=True)
-        return _region_max(p, geo.region // block), np.full(len(head.pos), n_reg * geo.region // block)
-
-    return rule
-
-
-def quest_rule(block: int) -> Rule:
-    """Quest's bound: per-channel max and min key of each block, sum_d max(q_d*max_d, q_d*min_d)."""
-
-    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
-        n_reg = _n_regions(head, geo)
-        k = _pad_cells(head.keys, geo.region)[: n_reg * geo.region].reshape(-1, block, head.keys.shape[1])
-        kmax, kmin = k.max(axis=1), k.min(axis=1)
-        sc = np.einsum("sgd,bd->sgb", np.maximum(head.q, 0), kmax) + np.einsum("sgd,bd->sgb", np.minimum(head.q, 0), kmin)
-        return _region_max(sc, geo.region // block), np.full(len(head.pos), 2 * n_reg * geo.region // block)
-
-    return rule
-
-
 def token_max_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
     """Reference: exact q.k of every cell, max over the region and the group (reads all of K)."""
     n_reg = _n_regions(head, geo)
@@ -165,21 +136,6 @@ def token_max_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
     lg = np.concatenate([lg, np.full(lg.shape[:2] + (n_reg * geo.region - lg.shape[2],), NEG)], axis=2) \
         if lg.shape[2] < n_reg * geo.region else lg[:, :, : n_reg * geo.region]
     return _region_max(lg, geo.region), np.full(len(head.pos), n_reg * geo.region)
-
-
-def sparq_rule(channels: int) -> Rule:
-    """SparQ-style sketch: q.k from the `channels` largest-|q| channels of each query head, max-pooled."""
-
-    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
-        n_reg = _n_regions(head, geo)
-        keys = _pad_cells(head.keys, geo.region)[: n_reg * geo.region]
-        d = head.q.shape[2]
-        top = np.argsort(-np.abs(head.q), axis=-1)[..., :channels]  # [s, g, c]
-        q_top = np.take_along_axis(head.q, top, axis=-1)  # [s, g, c]
-        sc = np.einsum("tsgc,sgc->sgt", keys[:, top], q_top)
-        return _region_max(sc, geo.region), np.full(len(head.pos), n_reg * geo.region * channels // d)
-
-    return rule
 
 
 def two_level_rule(coarse: int, fine: int, shortlist: int, kind: str = "f16") -> Rule:
@@ -212,13 +168,13 @@ def softmax_over(sc: np.ndarray, cand: np.ndarray, scale: float) -> np.ndarray:
     return p / p.sum(axis=1, keepdims=True)
 
 
-def persistent_rule(rule: Rule, gamma: float, combine: str = "max",
+def persistent_rule(rule: Rule, gamma: float,
                     answer_start: Callable[[Head, Geometry, np.ndarray], np.ndarray] | None = None) -> Rule:
-    """Selections that persist over the steps: each step's region scores become a softmax over the
-    candidates (at the attention's scale), and a region keeps gamma times its previous value when that
-    is larger, r_s = max(p_s, gamma * r_(s-1)); a region a step found stays chosen for a while. With
-    `answer_start` (head, geo, the first answer step's candidates -> memory), the memory is replaced
-    by what it returns before the first answer step."""
+    """Selections that persist over the steps (the engine's selection memory): each step's region
+    scores become a softmax over the candidates (at the attention's scale), and a region keeps gamma
+    times its previous value when that is larger, r_s = max(p_s, gamma * r_(s-1)); a region a step
+    found stays chosen for a while. With `answer_start` (head, geo, the first answer step's
+    candidates -> memory), the memory is replaced by what it returns before the first answer step."""
 
     def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         sc, scan = rule(head, geo, cand)
@@ -228,25 +184,22 @@ def persistent_rule(rule: Rule, gamma: float, combine: str = "max",
         for i in range(p.shape[0]):
             if answer_start is not None and head.n_question and i == head.n_question:
                 prev = answer_start(head, geo, cand[i])
-            prev = (np.maximum(p[i], gamma * prev) if combine == "max" else p[i] + gamma * prev) * cand[i]
+            prev = np.maximum(p[i], gamma * prev) * cand[i]
             run[i] = prev
         return np.where(cand, run, NEG), scan
 
     return wrapped
 
 
-def question_pin_rule(rule: Rule, pins: int, evidence: str = "scores") -> Rule:
-    """Regions the question found stay read for the answer: every step first reads the `pins` regions
-    with the most evidence summed over the question steps before it (the softmax of the rule's
-    scores, or with evidence="mass" the exact attention mass: what a dense question pass would
-    know), then fills the rest of its budget by its own scores."""
+def question_pin_rule(rule: Rule, pins: int) -> Rule:
+    """Regions the question found stay read for the answer (the engine's pins): every step first
+    reads the `pins` regions with the most exact attention mass summed over the question steps
+    before it (what a dense question pass knows), then fills the rest of its budget by the rule's
+    own scores."""
 
     def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         sc, scan = rule(head, geo, cand)
-        if evidence == "mass":
-            ev = region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1) * cand
-        else:
-            ev = softmax_over(sc, cand, head.scale)
+        ev = region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1) * cand
         acc = np.zeros(ev.shape[1])
         out = np.array(sc, dtype=np.float64)
         for i in range(ev.shape[0]):
@@ -284,11 +237,6 @@ def oracle_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
     return region_mass(head.probs(), geo.region, _n_regions(head, geo)).sum(axis=1), np.zeros(len(head.pos))
 
 
-def all_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
-    """Every candidate region (with k at least the number of candidates: dense attention)."""
-    return np.zeros((len(head.pos), _n_regions(head, geo))), np.zeros(len(head.pos))
-
-
 def region_mass(p: np.ndarray, region: int, n_reg: int) -> np.ndarray:
     """[steps, group, cells] -> [steps, group, n_regions] attention mass per region."""
     s, g, t = p.shape
@@ -297,58 +245,45 @@ def region_mass(p: np.ndarray, region: int, n_reg: int) -> np.ndarray:
     return p[:, :, : n_reg * region].reshape(s, g, n_reg, region).sum(axis=-1)
 
 
+def _default_scoring(shortlist: int, kind: str = "f16") -> Rule:
+    """The engine's default scoring: 64-token coarse centroids shortlist `shortlist` regions, their
+    8-token fine centroids choose, the selection memory keeps 0.9 of a region's share."""
+    return persistent_rule(two_level_rule(64, 8, shortlist, kind), 0.9)
+
+
+# The rules the route's defaults were chosen by, and the references they are read against
+# (BENCHMARKS.md, the routing lab's tables). A rule's name reads: meanN = one mean key per N tokens
+# scanned in one pass; twoC/FxS = C-token coarse means shortlist S regions, F-token fine means
+# choose; q8 = centroids kept in Q8_0; +keep.G = the selection memory at G.
 RULES: dict[str, Rule] = {
+    # the fine centroids' resolution: finer finds the fact more often and scans more bytes
     "mean16": mean_rule(16),
-    "softmax16": softmax_mean_rule(16),
-    "quest16": quest_rule(16),
     "mean8": mean_rule(8),
     "mean4": mean_rule(4),
-    "mean64": mean_rule(64),
-    "sparq16": sparq_rule(16),
-    "two64/4x16": two_level_rule(64, 4, 16),
-    "two64/4x32": two_level_rule(64, 4, 32),
-    "two64/4x64": two_level_rule(64, 4, 64),
-    "two64/8x32": two_level_rule(64, 8, 32),
-    "two16/4x16": two_level_rule(16, 4, 16),
-    "two16/4x32": two_level_rule(16, 4, 32),
-    "mean16+keep.5": persistent_rule(mean_rule(16), 0.5),
-    "mean16+keep.9": persistent_rule(mean_rule(16), 0.9),
-    "mean16+keep1": persistent_rule(mean_rule(16), 1.0),
-    "two64/4x32+keep.9": persistent_rule(two_level_rule(64, 4, 32), 0.9),
-    "two64/4x16+keep.9": persistent_rule(two_level_rule(64, 4, 16), 0.9),
-    "two64/4x32+keep.7": persistent_rule(two_level_rule(64, 4, 32), 0.7),
-    "two64/4x32+keep.97": persistent_rule(two_level_rule(64, 4, 32), 0.97),
-    "two64/8x32+keep.9": persistent_rule(two_level_rule(64, 8, 32), 0.9),
-    # the default's scoring at 8k / 32k (an automatic shortlist: an eighth of the regions), a larger
-    # shortlist, and no shortlist at all (every 8-token centroid)
-    "two64/8x16+keep.9": persistent_rule(two_level_rule(64, 8, 16), 0.9),
-    "two64/8x64+keep.9": persistent_rule(two_level_rule(64, 8, 64), 0.9),
-    "two64/8x128+keep.9": persistent_rule(two_level_rule(64, 8, 128), 0.9),
+    # the default's scoring with the automatic shortlist (an eighth of the regions: 16 at 8k, 32 at
+    # 16k, 64 at 32k), a larger shortlist, and no shortlist at all (every 8-token centroid)
+    "two64/8x16+keep.9": _default_scoring(16),
+    "two64/8x32+keep.9": _default_scoring(32),
+    "two64/8x64+keep.9": _default_scoring(64),
+    "two64/8x128+keep.9": _default_scoring(128),
     "mean8+keep.9": persistent_rule(mean_rule(8), 0.9),
-    # the same with the centroids stored as Q8_0 (34 bytes per 32 values instead of 64): does the
-    # shortlist double within the default's bytes, and what does the quantization cost?
-    "two64/8x64q8+keep.9": persistent_rule(two_level_rule(64, 8, 64, "q8_0"), 0.9),
-    "two64/8x128q8+keep.9": persistent_rule(two_level_rule(64, 8, 128, "q8_0"), 0.9),
-    "two64/8x160q8+keep.9": persistent_rule(two_level_rule(64, 8, 160, "q8_0"), 0.9),
+    # the centroids kept in Q8_0 (34 bytes per 32 values instead of 64): a longer shortlist, or
+    # 4-token centroids, within about the F16 default's bytes
+    "two64/8x64q8+keep.9": _default_scoring(64, "q8_0"),
+    "two64/8x128q8+keep.9": _default_scoring(128, "q8_0"),
+    "two64/8x160q8+keep.9": _default_scoring(160, "q8_0"),
     "two64/4x64q8+keep.9": persistent_rule(two_level_rule(64, 4, 64, "q8_0"), 0.9),
-    # the memory seeded by what a dense question pass attends to (q-mem), beside pinning it (+qm2)
+    # what a dense question pass adds: the memory as the engine keeps it (empty at the first answer
+    # step, +amem), seeded with the question's attention mass (+qmem), or 2 of the k regions pinned
+    # by that mass (+qm2, the default's pins)
     "two64/8x64+amem.9": question_memory_rule(two_level_rule(64, 8, 64), 0.9, seeded=False),
     "two64/8x64+qmem.9": question_memory_rule(two_level_rule(64, 8, 64), 0.9),
-    "two64/8x64+qm2": question_pin_rule(persistent_rule(two_level_rule(64, 8, 64), 0.9), 2, "mass"),
+    "two64/8x64+qm2": question_pin_rule(_default_scoring(64), 2),
     "two64/8x16+amem.9": question_memory_rule(two_level_rule(64, 8, 16), 0.9, seeded=False),
     "two64/8x16+qmem.9": question_memory_rule(two_level_rule(64, 8, 16), 0.9),
-    "two64/8x16+qm2": question_pin_rule(persistent_rule(two_level_rule(64, 8, 16), 0.9), 2, "mass"),
-    "mean4+keep.9": persistent_rule(mean_rule(4), 0.9),
-    "two64/4x32+sum.9": persistent_rule(two_level_rule(64, 4, 32), 0.9, "sum"),
-    "two64/4x32+sum.7": persistent_rule(two_level_rule(64, 4, 32), 0.7, "sum"),
-    "two64/4x32+q2": question_pin_rule(two_level_rule(64, 4, 32), 2),
-    "two64/4x32+q4": question_pin_rule(two_level_rule(64, 4, 32), 4),
-    "mean16+q2": question_pin_rule(mean_rule(16), 2),
-    "mean16+q4": question_pin_rule(mean_rule(16), 4),
-    "mean4+q2": question_pin_rule(mean_rule(4), 2),
-    "mean4+q4": question_pin_rule(mean_rule(4), 4),
-    "two64/4x32+qm2": question_pin_rule(two_level_rule(64, 4, 32), 2, "mass"),
-    "two64/4x32+qm4": question_pin_rule(two_level_rule(64, 4, 32), 4, "mass"),
+    "two64/8x16+qm2": question_pin_rule(_default_scoring(16), 2),
+    # references: exact q.k of every token, max-pooled (reads all of K), and the regions that hold
+    # the most true attention mass
     "token": token_max_rule,
     "oracle": oracle_rule,
 }
