@@ -607,7 +607,7 @@ def _lab_prefill(out: Path, lengths: list[int], tasks: list[str], seeds: list[in
     import json
 
     from kvlocal.atomic import write_text_atomic
-    from kvlocal.evals import lab_prefill
+    from kvlocal.lab import prefill as lab_prefill
 
     totals: dict = {}
     captures = _lab_captures(
@@ -657,11 +657,11 @@ def lab(
 
     from kvlocal.atomic import write_text_atomic
     from kvlocal.errors import UsageError
-    from kvlocal.evals import lab as lab_mod
-    from kvlocal.evals.lab_rules import RULES, Geometry
-    from kvlocal.evals.lab_prefill import PREFILL_RULES
     from kvlocal.evals.runner import task_answer_tokens
     from kvlocal.evals.tasks import TASKS
+    from kvlocal.lab import decode as lab_mod
+    from kvlocal.lab.prefill import PREFILL_RULES
+    from kvlocal.lab.rules import RULES, Geometry
 
 
     table = PREFILL_RULES if prefill else RULES  # the rules this run chooses from
