@@ -9,6 +9,7 @@ from pathlib import Path
 from statistics import mean
 
 from kvlocal.atomic import write_text_atomic
+from kvlocal.evals.runner import block, question_pass
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_PIN, DEFAULT_QUESTION,
     DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST, MODES, SHORTLIST_AUTO,
@@ -22,22 +23,6 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     for r in rows:
         groups[tuple(r[k] for k in keys)].append(r)
     return groups
-
-
-# rows written before the centroid block was recorded ran with one centroid per 16 tokens
-BLOCK_BEFORE_RECORDED = 16
-
-
-def block(row: dict) -> int:
-    """The row's centroid block."""
-    return row.get("centroid_block", BLOCK_BEFORE_RECORDED)
-
-
-def question_pass(row: dict) -> str:
-    """How the row's question read the document: 'steps' (token by token through the route, as every
-    row before the routed ubatch), 'dense' (one dense batch) or 'q<k>' (one batch routed to k regions)."""
-    question = row.get("question", "steps")
-    return f"q{row.get('question_top_k', 0)}" if question == "routed" else question
 
 
 def scoring(row: dict) -> tuple[int, int, float, str, str, int]:

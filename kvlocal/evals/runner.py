@@ -27,7 +27,6 @@ from kvlocal.route_settings import (
     DEFAULT_WINDOW,
     MODES,
 )
-from kvlocal.evals.report import BLOCK_BEFORE_RECORDED, question_pass
 from kvlocal.routing import PrefillConfig, RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
 
@@ -101,9 +100,25 @@ def answer_tokens(config: GridConfig, task: str) -> int:
     return config.max_tokens or task_answer_tokens(task)
 
 
+# rows written before the centroid block was recorded ran with one centroid per 16 tokens
+BLOCK_BEFORE_RECORDED = 16
+
+
+def block(row: dict) -> int:
+    """The row's centroid block."""
+    return row.get("centroid_block", BLOCK_BEFORE_RECORDED)
+
+
+def question_pass(row: dict) -> str:
+    """How the row's question read the document: 'steps' (token by token through the route, as every
+    row before the routed ubatch), 'dense' (one dense batch) or 'q<k>' (one batch routed to k regions)."""
+    question = row.get("question", "steps")
+    return f"q{row.get('question_top_k', 0)}" if question == "routed" else question
+
+
 def row_key(row: dict) -> tuple:
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
-            row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", BLOCK_BEFORE_RECORDED),
+            row["window"], row["sinks"], row.get("haystack", ""), block(row),
             row.get("max_tokens", task_answer_tokens(row["task"])),  # older rows ran at the task's default
             row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
             row.get("keep", 0.0),  # ... and selected afresh at every step
