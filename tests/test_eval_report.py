@@ -204,9 +204,20 @@ def test_routes_count_a_rerun_probe_once_and_tell_prefills_apart():
     assert entries["geometric top-4, b8 s16 keep 0.9"]["accuracy_outside_window"] == 1.0
     assert entries["full, prefill top-64"]["same_as_full"] == 1.0  # paired with the dense prefill's full answer
     assert entries["full, prefill top-16/u128"]["prefill_tps"] == 60.0
+    # two models' rows are two routes, each named with its model and paired with its own full rows
+    other = [dict(r, model="small") for r in (_probe("full", 0.0, "amber-2222"), _probe("geometric", 0.0, "amber-2222"))]
+    mixed = {e["route"]: e for e in report.routes([dict(r, model="big") for r in (_probe("full", 1.0, "amber-1111"), rerun)]
+                                                   + other)}
+    assert sorted(mixed) == ["big: full", "big: geometric top-4, b8 s16 keep 0.9", "small: full",
+                             "small: geometric top-4, b8 s16 keep 0.9"]
+    assert mixed["small: geometric top-4, b8 s16 keep 0.9"]["same_as_full"] == 1.0
+    assert mixed["small: full"]["n_outside"] == 1
     # a probe in the window counts towards the reductions, not the accuracy
     [near] = report.routes([_probe("geometric", 1.0, "amber-1111", depth=1.0)])
     assert near["n_outside"] == 0 and near["accuracy_outside_window"] is None and near["answer_reduction"] == 6.0
+    # a question decoded token by token through the route: every step is an answer-like step
+    [steps] = report.routes([_probe("geometric", 1.0, "amber-1111", question="steps", bytes_read=250)])
+    assert steps["answer_reduction"] == steps["total_reduction"] == 4.0 and steps["step_mib"] is None
 
 
 def test_bench_markdown_has_decode_and_prefill_rows():

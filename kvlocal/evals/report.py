@@ -357,7 +357,11 @@ def route_label(row: dict) -> str:
 def answer_reduction(row: dict) -> float:
     """Dense K/V bytes over the bytes read by the answer's steps alone (metadata included): the
     question's read is taken out of both sides. Rows that do not record it (written before the
-    question pass was counted apart) take one dense read, bytes_dense / steps, as the question's."""
+    question pass was counted apart) take one dense read, bytes_dense / steps, as the question's; a
+    question read token by token through the route is read as the answer is, so there the answer's
+    steps read what the whole row reads."""
+    if question_pass(row) == "steps":
+        return row["bytes_dense"] / row["bytes_read"] if row["bytes_read"] else 1.0
     if "question_bytes_read" in row:
         q_read, q_dense = row["question_bytes_read"], row["question_bytes_dense"]
     else:
@@ -404,10 +408,13 @@ def routes(rows: list[dict]) -> list[dict]:
     probes: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
     codes: dict[tuple, set[str]] = defaultdict(set)  # haystack -> every fact's code
     full_answer: dict[tuple, str] = {}
+    models = {r.get("model") for r in rows}
     for r in rows:
-        haystack = (r["length"], r["task"], r.get("seed", 0))
+        haystack = (r.get("model"), r["length"], r["task"], r.get("seed", 0))
         codes[haystack].update(r.get("expected", []))
-        probes[(r["length"], r["task"], route_label(r))][(r.get("seed", 0), r["depth"], r.get("probe", 0))] = r
+        # several models' rows: each route is named with its model
+        label = f"{r.get('model')}: {route_label(r)}" if len(models) > 1 else route_label(r)
+        probes[(r["length"], r["task"], label)][(r.get("seed", 0), r["depth"], r.get("probe", 0))] = r
         if r["mode"] == "full" and (r.get("prefill") or "dense") == "dense":
             full_answer[(*haystack, r["depth"], r.get("probe", 0), question_pass(r))] = r["answer"].strip()
     out = []
@@ -416,10 +423,11 @@ def routes(rows: list[dict]) -> list[dict]:
         far = [r for r in group if _outside_window(r)]
         acc = _accuracy(far)
         paired = [r["answer"].strip() == full_answer[key] for r in far
-                  if (key := (r["length"], r["task"], r.get("seed", 0), r["depth"], r.get("probe", 0),
+                  if (key := (r.get("model"), r["length"], r["task"], r.get("seed", 0), r["depth"], r.get("probe", 0),
                               question_pass(r))) in full_answer]
         wrong = [r for r in far if r["score"] < 1]
-        other_fact = sum(any(_code_in(c, r["answer"]) for c in codes[(r["length"], r["task"], r.get("seed", 0))]
+        other_fact = sum(any(_code_in(c, r["answer"]) for c in codes[(r.get("model"), r["length"], r["task"],
+                                                                       r.get("seed", 0))]
                              if c not in r.get("expected", [])) for r in wrong)
         mib = [m for r in group if (m := answer_step_mib(r)) is not None]
         prefilled = {}
@@ -438,7 +446,7 @@ def routes(rows: list[dict]) -> list[dict]:
             "prefill_tps": _median(list(prefilled.values())), "n_prefilled": len(prefilled),
             "wrong_other_fact": other_fact, "wrong_else": len(wrong) - other_fact,
         })
-    out.sort(key=lambda e: (e["length"], e["task"], _mode_rank(e["mode"]), e["route"]))
+    out.sort(key=lambda e: (e["length"], e["task"], e["route"].rpartition(": ")[0], _mode_rank(e["mode"]), e["route"]))
     return out
 
 
@@ -449,7 +457,7 @@ def routes_markdown(entries: list[dict]) -> str:
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in entries:
         acc = _accuracy_text(e["accuracy_outside_window"], e["accuracy_outside_window_ci"], e["n_outside"])
-        same = "–" if e["same_as_full"] is None or e["route"] == "full" else f"{e['same_as_full']:.0%} ({e['n_paired']})"
+        same = "–" if e["same_as_full"] is None or e["route"].endswith("full") else f"{e['same_as_full']:.0%} ({e['n_paired']})"
         mib = "–" if e["step_mib"] is None else f"{e['step_mib'][0]:.1f} + {e['step_mib'][1]:.1f}"
         decode = "–" if e["decode_tps"] is None else f"{e['decode_tps']:.1f}"
         prefill = "–" if e["prefill_tps"] is None else f"{e['prefill_tps']:.1f} ({e['n_prefilled']})"
