@@ -35,6 +35,7 @@ from kvlocal.route_settings import (
     MAX_SEED,
     MAX_SHORTLIST,
     MAX_SINKS,
+    MAX_THREADS,
     MAX_TOP_K,
     MAX_WINDOW,
     MIN_CTX,
@@ -91,8 +92,6 @@ CtxOpt = Annotated[
     Optional[int], typer.Option("--ctx", min=MIN_CTX, max=MAX_CTX,
                                 help="Context size in tokens (default: fit the document; max: the model's).")
 ]
-# = kvlocal.session.MAX_THREADS (not imported, as CENTROID_BLOCK below)
-MAX_THREADS = 256
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads (default: all cores).")]
 KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")]
 RouteOpt = Annotated[

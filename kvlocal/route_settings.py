@@ -105,6 +105,7 @@ PREFILL_SHORTLIST_SHARE = 4
 # so a value past them would wrap silently in ctypes.
 MAX_CTX = 1_048_576  # context tokens (--ctx, --lengths); the model's trained context is checked later
 MIN_CTX = 256  # the session's smallest context
+MAX_THREADS = 256  # --threads: llama.cpp's thread pool, far more than any core count we target
 MAX_TOP_K = 65_536  # regions routed per layer and KV head (0: sinks and window only)
 MAX_REGION = 256  # tokens per region: a power of two that divides this
 MAX_WINDOW = MAX_CTX  # recent tokens always read

@@ -17,9 +17,8 @@ import numpy as np
 
 from kvlocal.engine import ggml_lib, llama_cpp
 from kvlocal.errors import EngineError
+from kvlocal.ggml_types import GGML_TYPE_F16
 
-GGML_TYPE_F32 = 0
-GGML_TYPE_F16 = 1
 STATE_MAGIC = 0xAF143CD8  # llama-context.cpp io_magic, first word of a sequence state
 
 
