@@ -15,18 +15,7 @@ from pathlib import Path
 
 from kvlocal.errors import UsageError
 from kvlocal.evals.tasks import Case, build_case, score
-from kvlocal.route_settings import (
-    DEFAULT_KEEP,
-    DEFAULT_PIN,
-    DEFAULT_QUESTION,
-    DEFAULT_QUESTION_TOP_K,
-    DEFAULT_REGION,
-    DEFAULT_SHORTLIST,
-    DEFAULT_SINKS,
-    DEFAULT_TOP_K,
-    DEFAULT_WINDOW,
-    MODES,
-)
+from kvlocal.route_settings import MODES
 from kvlocal.routing import PrefillConfig, RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
 
@@ -44,31 +33,21 @@ class GridConfig:
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     modes: list[str] = field(default_factory=lambda: list(MODES))
     seeds: list[int] = field(default_factory=lambda: [0])
-    top_k: int = DEFAULT_TOP_K
-    region: int = DEFAULT_REGION
-    window: int = DEFAULT_WINDOW
-    sinks: int = DEFAULT_SINKS
+    route: RouteConfig = field(default_factory=RouteConfig)  # the settings of every mode's route (its mode unused)
     sweep: list[int] = field(default_factory=list)  # extra geometric budgets (top-k values)
-    shortlist: int = DEFAULT_SHORTLIST  # two-level scoring (0: one pass over every fine centroid)
-    keep: float = DEFAULT_KEEP  # selection memory (0: none)
-    question: str = DEFAULT_QUESTION  # how the question reads the document: routed, dense or steps
-    question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions a routed question reads
-    pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (geometric only)
     max_tokens: int | None = None  # None: ANSWER_TOKENS[task]
     prefill: PrefillConfig = field(default_factory=PrefillConfig)  # how the haystacks are prefilled
 
     def routes(self) -> Iterator[RouteConfig]:
         for mode in self.modes:
-            yield self.route(mode, self.top_k)
+            yield self.route_of(mode, self.route.top_k)
         if "geometric" in self.modes:
             for k in self.sweep:
-                if k != self.top_k:
-                    yield self.route("geometric", k)
+                if k != self.route.top_k:
+                    yield self.route_of("geometric", k)
 
-    def route(self, mode: str, top_k: int) -> RouteConfig:
-        route = RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks,
-                            shortlist=self.shortlist, keep=self.keep, question=self.question,
-                            question_top_k=self.question_top_k, pin=self.pin)
+    def route_of(self, mode: str, top_k: int) -> RouteConfig:
+        route = replace(self.route, mode=mode, top_k=top_k)
         return replace(route, pin=route.pins)  # rows record the pins that acted (0 for the controls)
 
 
