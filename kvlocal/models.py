@@ -53,7 +53,7 @@ ALIASES: dict[str, ModelSpec] = {
     )
 }
 # the 1.5B: on the passkey grid it keeps dense accuracy under routing at 16k where the 0.5B does
-# not, for about 10 % more prefill time (BENCHMARKS.md, "Which model is the default")
+# not, for about 10 % more prefill time (BENCHMARKS.md, "The model: 1.5B, not 0.5B")
 DEFAULT_ALIAS = "qwen2.5-coder-1.5b"
 
 

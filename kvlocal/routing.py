@@ -1,4 +1,4 @@
-"""Routing settings and per-step KV read statistics, on top of the engine's C API (patch 0005)."""
+"""Routing settings and per-step KV read statistics, on top of the engine's C API."""
 
 from __future__ import annotations
 
