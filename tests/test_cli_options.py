@@ -1,0 +1,238 @@
+"""The command line's options: declared once, shared by ask, tui, eval and bench, grouped in --help.
+
+No engine or model: a command is stopped at its first engine work by a stand-in.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import typer
+from typer.models import OptionInfo
+from typer.testing import CliRunner
+
+from kvlocal import cli, cli_options
+from kvlocal.cli import app
+from kvlocal.cli_options import PREFILL, ROUTING, PrefillOptions, RouteOptions
+from kvlocal.errors import UsageError
+
+SHARED = ("ask", "tui", "eval", "bench", "demo")  # commands whose options are the shared ones (lab has its own)
+ROUTING_OPTIONS = {"--top-k", "--region", "--window", "--sinks", "--shortlist", "--keep", "--pin", "--centroid-block",
+                   "--centroid-type", "--seed", "--question-pass", "--question-top-k"}
+PREFILL_OPTIONS = {"--prefill", "--prefill-top-k", "--prefill-from", "--prefill-ubatch"}
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "160", "TERM": "dumb"})
+
+
+def panels(help_text: str) -> dict[str, list[str]]:
+    """--help's panels, each with the options (long names) it lists, in order."""
+    out: dict[str, list[str]] = {}
+    name = None
+    for line in help_text.splitlines():
+        if title := re.match(r"\s*╭─ (.+?) ─", line):
+            name = title.group(1)
+            out[name] = []
+        elif name and (option := re.match(r"\s*│ (?:\* *)?(--[\w-]+)", line)):
+            out[name].append(option.group(1))
+    return out
+
+
+def command_options(name: str) -> dict[str, OptionInfo]:
+    """The typer Option objects a command declares, by long name (as typer reads its signature)."""
+    [info] = [c for c in app.registered_commands if (c.name or c.callback.__name__.rstrip("_")) == name]
+    found = {}
+    for param in inspect.signature(info.callback, eval_str=True).parameters.values():
+        for meta in getattr(param.annotation, "__metadata__", ()):
+            if isinstance(meta, OptionInfo):
+                long_names = [d for d in (meta.default, *(meta.param_decls or ())) if str(d).startswith("--")]
+                found[long_names[0].split("/")[0]] = meta
+    return found
+
+
+def test_ask_help_shows_the_everyday_options_first_then_routing_then_prefill():
+    result = run("ask", "--help")
+    assert result.exit_code == 0, result.output
+    shown = panels(result.output)
+    assert list(shown) == ["Arguments", "Options", ROUTING, PREFILL]
+    assert len(shown["Options"]) <= 10, shown["Options"]
+    assert {"--model", "--max-tokens", "--route", "--no-cache", "--ctx", "--threads"} <= set(shown["Options"])
+    assert set(shown[ROUTING]) == ROUTING_OPTIONS
+    assert set(shown[PREFILL]) == PREFILL_OPTIONS
+    assert "[default: 4]" in result.output  # defaults are shown
+
+
+@pytest.mark.parametrize("command", ["tui", "eval", "bench"])
+def test_every_shared_command_puts_routing_and_prefill_tuning_in_their_panels(command):
+    shown = panels(run(command, "--help").output)
+    assert set(shown[ROUTING]) <= ROUTING_OPTIONS and {"--top-k", "--pin", "--shortlist"} <= set(shown[ROUTING])
+    assert {"--prefill-top-k", "--prefill-from", "--prefill-ubatch"} <= set(shown[PREFILL])
+    assert not (set(shown["Options"]) & (ROUTING_OPTIONS | PREFILL_OPTIONS))
+
+
+def test_each_option_is_declared_once_and_shared():
+    """An option two commands take is the same typer Option object in both (one declaration)."""
+    by_name: dict[str, set[int]] = {}
+    for command in SHARED:
+        for name, option in command_options(command).items():
+            by_name.setdefault(name, set()).add(id(option))
+    assert {name for name, objects in by_name.items() if len(objects) > 1} == set()
+    assert len(by_name) > 25
+    assert {"--pin", "--top-k", "--prefill-top-k"} <= set(command_options("bench")) & set(command_options("tui"))
+
+
+# the lab's own options of these names mean something else there (--prefill: replay prefill rules)
+LAB_OWN = {"--prefill", "--prefill-from", "--lengths", "--out", "--depths", "--seeds", "--tasks"}
+
+
+def test_each_option_name_is_spelled_in_one_declaration():
+    """In the sources of the shared commands' options, a long name is declared once."""
+    source = inspect.getsource(cli) + inspect.getsource(cli_options)
+    shared = {name for command in SHARED for name in command_options(command)}
+    declared = re.findall(r'typer\.Option\(\s*"(--[\w-]+)', source)
+    assert sorted(n for n in declared if n in shared and declared.count(n) > 1 and n not in LAB_OWN) == []
+
+
+def test_ask_and_its_help_do_not_import_textual():
+    code = ("import sys\n"
+            "from typer.testing import CliRunner\n"
+            "from kvlocal.cli import app\n"
+            "assert CliRunner().invoke(app, ['ask', '--help']).exit_code == 0\n"
+            "print('textual' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("command", ["ask", "eval", "bench", "tui"])
+@pytest.mark.parametrize("option", ["--estimate", "--no-estimate", "--prefill-estimate"])
+def test_the_retired_estimate_switches_are_gone(command, option):
+    args = ["ask", "doc.txt", "q?"] if command == "ask" else [command]
+    result = run(*args, option)
+    assert result.exit_code == 2 and "No such option" in result.output, result.output
+
+
+def test_tui_parses_the_route_options_and_still_needs_a_terminal():
+    result = run("tui", "--top-k", "8", "--pin", "1", "--route", "window", "--prefill", "routed",
+                 "--prefill-top-k", "16", "--centroid-block", "16")
+    assert result.exit_code == 2, result.output
+    assert cli.TUI_NEEDS_TERMINAL in result.stderr
+    bad = run("tui", "--top-k", "-1")
+    assert bad.exit_code == 2 and "--top-k" in bad.output
+
+
+def test_tui_hands_the_route_and_session_settings_to_the_app(monkeypatch):
+    import kvlocal.tui.app as tui_app
+
+    seen = {}
+    monkeypatch.setattr(cli, "_check_terminal", lambda: None)
+    monkeypatch.setattr(tui_app, "run_app", lambda **kwargs: seen.update(kwargs) or 0)
+    result = run("tui", "--top-k", "8", "--pin", "1", "--route", "window", "--seed", "5", "--prefill", "routed",
+                 "--prefill-top-k", "16", "--centroid-block", "16", "--centroid-type", "q8_0", "-n", "9")
+    assert result.exit_code == 0, result.output
+    route, prefill = seen["route"], seen["prefill"]
+    assert (route.mode, route.top_k, route.pin, route.seed) == ("window", 8, 1, 5)
+    assert (prefill.mode, prefill.top_k) == ("routed", 16)
+    assert seen["max_tokens"] == 9
+    assert seen["session_settings"]["centroid_block"] == 16 and seen["session_settings"]["centroid_type"] == "q8_0"
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_at_the_session(monkeypatch) -> list:
+    """_open_session records its arguments and hands back a session whose first use stops the command."""
+    opened = []
+
+    def open_session(*args):
+        opened.append(args)
+        return SimpleNamespace(trained_ctx=1 << 20, prefill_tag=lambda p: "dense")
+
+    monkeypatch.setattr(cli, "_open_session", open_session)
+    return opened
+
+
+def test_eval_hands_one_route_config_to_the_grid(monkeypatch, tmp_path):
+    from kvlocal.evals import runner
+
+    opened = _stop_at_the_session(monkeypatch)
+    grids = []
+
+    def run_grid(session, config, out, **kwargs):
+        grids.append(config)
+        raise UsageError("stop")
+
+    monkeypatch.setattr(runner, "run_grid", run_grid)
+    result = run("eval", "--out", str(tmp_path / "ev"), "--lengths", "2k", "--top-k", "3", "--pin", "1",
+                 "--question-pass", "steps", "--prefill", "routed", "--prefill-top-k", "16", "--centroid-block", "16",
+                 "--sweep", "2")
+    assert result.exit_code == 2 and "stop" in result.stderr, result.output
+    [config] = grids
+    assert (config.route.top_k, config.route.pin, config.route.question) == (3, 1, "steps")
+    assert (config.prefill.mode, config.prefill.top_k) == ("routed", 16)
+    assert opened[0][-2:] == (16, "f16")
+    routes = list(config.routes())
+    assert [(r.mode, r.top_k) for r in routes] == [("full", 3), ("geometric", 3), ("window", 3), ("random", 3),
+                                                  ("geometric", 2)]
+    assert all(r.question == "steps" and r.region == config.route.region for r in routes)
+    # --quick runs top-4 whatever --top-k says
+    grids.clear()
+    run("eval", "--quick", "--out", str(tmp_path / "quick"), "--top-k", "9")
+    assert grids[0].route.top_k == 4
+
+
+def test_eval_checks_every_mode_before_any_work(monkeypatch, tmp_path):
+    opened = _stop_at_the_session(monkeypatch)
+    result = run("eval", "--out", str(tmp_path / "ev"), "--modes", "full,sideways")
+    assert result.exit_code == 2 and "unknown route mode 'sideways'" in result.stderr
+    assert not opened
+
+
+def test_option_groups_build_the_cores_configs():
+    route = RouteOptions(top_k=3, question_pass="steps").config("random", seed=7)
+    assert (route.mode, route.top_k, route.question, route.seed) == ("random", 3, "steps", 7)
+    with pytest.raises(UsageError) as info:
+        RouteOptions(region=32, centroid_block=64).config("geometric")
+    assert info.value.setting == "region"
+    with pytest.raises(UsageError):
+        RouteOptions(centroid_type="q4_0").config("geometric")
+    prefill = PrefillOptions(prefill_top_k=16, prefill_from=0, prefill_ubatch=128).config("routed")
+    assert (prefill.mode, prefill.top_k, prefill.start, prefill.ubatch) == ("routed", 16, 0, 128)
+
+
+def test_a_command_with_an_option_group_still_gets_its_own_options():
+    """option_groups shows typer the group's fields in the group parameter's place."""
+    from kvlocal.cli_options import option_groups
+
+    @option_groups
+    def command(name: str, routing: RouteOptions = RouteOptions(), loud: bool = False):
+        return name, routing, loud
+
+    names = list(inspect.signature(command).parameters)
+    assert names[0] == "name" and names[-1] == "loud" and names[1:-1] == [f for f in RouteOptions.__dataclass_fields__]
+    assert command("x", top_k=2, loud=True) == ("x", RouteOptions(top_k=2), True)
+    small = typer.Typer()
+    small.command()(command)
+    assert CliRunner().invoke(small, ["x", "--pin", "0"]).exit_code == 0
+
+
+def test_the_option_groups_cover_the_cores_settings():
+    """RouteOptions mirrors RouteConfig's settings (apart, so --help loads no numpy or engine): every
+    setting but the mode and the seed (a command's own options) has its option, with the same default."""
+    import dataclasses
+
+    from kvlocal.routing import PrefillConfig, RouteConfig
+
+    core = {f.name for f in dataclasses.fields(RouteConfig)} - {"mode", "seed"}
+    cli_names = {"question" if f.name == "question_pass" else f.name for f in dataclasses.fields(RouteOptions)}
+    assert cli_names - {"centroid_block", "centroid_type"} == core  # the centroids are the session's
+    assert RouteOptions().config(RouteConfig().mode) == RouteConfig()
+    assert len(dataclasses.fields(PrefillOptions)) == len(dataclasses.fields(PrefillConfig)) - 1  # but the mode
+    assert PrefillOptions().config(PrefillConfig().mode) == PrefillConfig()
