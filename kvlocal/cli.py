@@ -380,10 +380,10 @@ def _lengths(text: str) -> list[int]:
 @handles_errors
 @option_groups
 def eval_(
-    quick: Annotated[bool, typer.Option("--quick", help="2k, two depths, passkey, top-4 (in place of --lengths, --depths, --tasks, --top-k): a few minutes; checks the ordering.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="A few minutes' check at 2k (passkey, two depths, top-4): geometric matches full, the controls fall below.")] = False,
     lengths: LengthsOpt = "4k,8k,16k,32k",
     depths: Annotated[int, typer.Option("--depths", min=2, max=MAX_DEPTHS, help="Needle depths from 0% to 100%.")] = 11,
-    tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,lookalike,multivalue,multiquery,vartrack,cwe")] = "passkey",
+    tasks: Annotated[str, typer.Option("--tasks", help="Of passkey, multikey, lookalike, multivalue, multiquery, vartrack, cwe.")] = "passkey",
     modes: Annotated[str, typer.Option("--modes", help="Routing modes to compare.")] = "full,geometric,window,random",
     sweep: Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")] = "",
     seeds: Annotated[str, typer.Option("--seeds", help="Haystack seeds.")] = "0",
@@ -609,7 +609,7 @@ def bench(
     out: OutOpt = None,
     routing: RouteOptions = RouteOptions(),
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
-    prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", rich_help_panel=PREFILL, help="Context lengths whose haystack is prefilled twice, dense then routed (--prefill-top-k, --prefill-from), neither from the cache; 'none' skips this (a 32k dense prefill takes about half an hour on 2 cores).")] = "8k,16k,32k",
+    prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", rich_help_panel=PREFILL, help="Lengths prefilled twice, dense then routed, neither from the cache; none: skip (32k dense: ~30 min on 2 cores).")] = "8k,16k,32k",
     prefilling: PrefillOptions = PrefillOptions(),
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
