@@ -13,13 +13,13 @@ import typer
 
 from kvlocal import __version__
 from kvlocal.cli_options import (
+    PREFILL,
     CtxOpt,
     KvTypeOpt,
     LengthsOpt,
     MaxTokensOpt,
     ModelOpt,
     NoCacheOpt,
-    PREFILL,
     OutOpt,
     PrefillOpt,
     PrefillOptions,
