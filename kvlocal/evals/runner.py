@@ -51,17 +51,20 @@ class GridConfig:
         return replace(route, pin=route.pins)  # rows record the pins that acted (0 for the controls)
 
 
+TEMPLATE_RESERVE = 256  # context tokens kept for the prompt template around a haystack
+
+
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
     """The haystack for a context of `length` tokens (room left for the template, question and answer)."""
     count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
-    target = length - ANSWER_RESERVE - 256
+    target = length - ANSWER_RESERVE - TEMPLATE_RESERVE
     try:
         for _ in range(3):
             case = build_case(task, target, depths, seed=seed, count_tokens=count, filler=filler)
             # a haystack may overshoot its target a little; at the model's own context that can
             # leave no room for the answer, so shrink the target by the overshoot (cases that fit
             # are never rebuilt, so recorded haystacks stay what they were)
-            over = count(case.text) + ANSWER_RESERVE + 256 - session.trained_ctx
+            over = count(case.text) + ANSWER_RESERVE + TEMPLATE_RESERVE - session.trained_ctx
             if over <= 0:
                 break
             target -= over
