@@ -383,7 +383,7 @@ def eval_(
     quick: Annotated[bool, typer.Option("--quick", help="A few minutes' check at 2k (passkey, two depths, top-4): geometric matches full, the controls fall below.")] = False,
     lengths: LengthsOpt = "4k,8k,16k,32k",
     depths: Annotated[int, typer.Option("--depths", min=2, max=MAX_DEPTHS, help="Needle depths from 0% to 100%.")] = 11,
-    tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,lookalike,multivalue,multiquery,vartrack,cwe")] = "passkey",
+    tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,lookalike,onekey,multivalue,multiquery,vartrack,cwe")] = "passkey",
     modes: Annotated[str, typer.Option("--modes", help="Routing modes to compare.")] = "full,geometric,window,random",
     sweep: Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")] = "",
     seeds: Annotated[str, typer.Option("--seeds", help="Haystack seeds.")] = "0",

@@ -220,6 +220,20 @@ def test_routes_count_a_rerun_probe_once_and_tell_prefills_apart():
     assert steps["answer_reduction"] == steps["total_reduction"] == 4.0 and steps["step_mib"] is None
 
 
+def test_routes_report_a_task_per_filler():
+    """The same task, seed and probe planted in generated prose and in a user's document are two
+    haystacks: reported apart, each paired with its own full answers."""
+    mine = {"task": "onekey", "haystack": "/docs/GPL-3"}
+    rows = [_probe("full", 1.0, "amber-1111", task="onekey"), _probe("geometric", 0.0, "amber-1112", task="onekey"),
+            _probe("full", 0.0, "amber-1112", **mine), _probe("geometric", 0.0, "amber-1112", **mine)]
+    entries = {(e["task"], e["route"]): e for e in report.routes(rows)}
+    assert sorted(entries) == [("onekey", "full"), ("onekey", "geometric top-4, b8 s16 keep 0.9"),
+                               ("onekey (GPL-3)", "full"), ("onekey (GPL-3)", "geometric top-4, b8 s16 keep 0.9")]
+    assert entries[("onekey", "geometric top-4, b8 s16 keep 0.9")]["same_as_full"] == 0.0
+    assert entries[("onekey (GPL-3)", "geometric top-4, b8 s16 keep 0.9")]["same_as_full"] == 1.0
+    assert "| 8,192 | onekey (GPL-3) | full | 0% [0–79] (n=1) |" in report.routes_markdown(report.routes(rows))
+
+
 def test_bench_markdown_has_decode_and_prefill_rows():
     run = {"model": "m", "lengths": [{"n_tokens": 30836, "full_tps": 4.0, "geometric_tps": 20.0, "speedup": 5.0,
                                       "bytes_reduction": 16.4}],

@@ -69,8 +69,8 @@ def test_answers_planted_at_their_depth(task: str, seed: int) -> None:
 
 def test_probe_counts_and_groups() -> None:
     count = {t: len(build_case(t, 2048, DEPTHS, seed=0, count_tokens=words).probes) for t in TASKS}
-    assert count == {"passkey": 11, "multikey": 11, "lookalike": 11, "multivalue": 3, "multiquery": 11, "vartrack": 3,
-                     "cwe": 1}
+    assert count == {"passkey": 11, "multikey": 11, "lookalike": 11, "onekey": 11, "multivalue": 3, "multiquery": 11,
+                     "vartrack": 3, "cwe": 1}
     mv = build_case("multivalue", 2048, DEPTHS, seed=0, count_tokens=words)
     assert sorted(len(p.answers) for p in mv.probes) == [3, 4, 4]
     assert [p.depth for p in mv.probes] == [0.0, 0.1, 0.2]  # groups interleave, so each spans the text
@@ -130,6 +130,99 @@ def test_lookalike_facts_share_one_shape_and_code_prefixes(seed: int) -> None:
 def test_lookalike_refuses_more_depths_than_places() -> None:
     with pytest.raises(ValueError, match="at most 40 depths"):
         build_case("lookalike", 8192, [i / 40 for i in range(41)], seed=0, count_tokens=words)
+
+
+CODE = re.compile(r"[a-z]+-\d{4}")
+
+
+def onekey_facts(case) -> list[str]:
+    """The planted fact sentences in text order: the sentences holding a probe's code."""
+    sentences = re.split(r"(?<=[.!?])\s+", " ".join(case.text.split()))
+    return [s for s in sentences if CODE.search(s) and any(whole(p.answers[0], s) for p in case.probes)]
+
+
+def differing_words(a: str, b: str) -> list[tuple[str, str]]:
+    wa, wb = a.split(), b.split()
+    assert len(wa) == len(wb), (a, b)
+    return [(x, y) for x, y in zip(wa, wb) if x != y]
+
+
+@pytest.mark.parametrize("seed", range(8))  # every shape twice
+def test_onekey_facts_differ_in_one_key_word(seed: int) -> None:
+    depths = [0.9, 0.1, 0.5, 0.3, 0.7, 0.0, 1.0, 0.2, 0.8, 0.4, 0.6]
+    case = build_case("onekey", 4096, depths, seed=seed, count_tokens=words)
+    assert [p.depth for p in case.probes] == depths and all(p.task == "onekey" for p in case.probes)
+    facts = onekey_facts(case)
+    assert len(facts) == len(depths)  # every fact planted once, and asked once
+    codes = [p.answers[0] for p in case.probes]
+    assert len(set(codes)) == len(codes) and all(CODE.fullmatch(c) for c in codes)
+    in_text_order = sorted(case.probes, key=lambda p: p.depth)
+    for fact, probe in zip(facts, in_text_order):
+        code = probe.answers[0]
+        assert fact.endswith(f" {code}.") and whole(code, case.text) == 1
+        assert whole(code.split("-")[1], case.text) == 1  # the filler never repeats a code's digits
+    templates = [f.replace(p.answers[0], "CODE") for f, p in zip(facts, in_text_order)]
+    questions = [p.question for p in in_text_order]
+    for i in range(1, len(facts)):  # the same sentence and the same question, one key word apart
+        [(key_a, key_b)] = differing_words(templates[0], templates[i])
+        assert differing_words(questions[0], questions[i]) == [(key_a, key_b)]
+        assert whole(key_b, case.text) == 1  # the key is named only by its fact
+    # 11 codes from two words and few prefixes: they share their word and their first digits, and
+    # some pairs differ only in the last digit ("amber-4452", "amber-4459")
+    assert len({c.split("-")[0] for c in codes}) <= 2
+    assert max(Counter(c.split("-")[1][:2] for c in codes).values()) >= 3
+    assert max(Counter(c.split("-")[1][:3] for c in codes).values()) >= 2
+
+
+def test_onekey_shape_follows_the_seed() -> None:
+    from kvlocal.evals.tasks import ONEKEY_SHAPES
+
+    shapes = []
+    for seed in range(len(ONEKEY_SHAPES) + 1):
+        case = build_case("onekey", 2048, [0.2, 0.5, 0.8], seed=seed, count_tokens=words)
+        shape = ONEKEY_SHAPES[seed % len(ONEKEY_SHAPES)]
+        prefix = shape[0].split("{key}")[0]
+        assert all(f.startswith(prefix) for f in onekey_facts(case))
+        shapes.append(prefix)
+    assert len(set(shapes)) == len(ONEKEY_SHAPES) and shapes[0] == shapes[-1]
+    keys = [set(s[2]) for s in ONEKEY_SHAPES]  # a place, a person, a host, a year
+    assert all(len(k) >= 40 and not k & other for i, k in enumerate(keys) for other in keys[i + 1:])
+    assert all(len(key.split()) == 1 for k in keys for key in k)
+    with pytest.raises(ValueError, match="at most 40 depths"):
+        build_case("onekey", 8192, [i / 40 for i in range(41)], seed=2, count_tokens=words)
+
+
+def test_onekey_answers_are_checked_exactly() -> None:
+    case = build_case("onekey", 2048, [0.3, 0.6], seed=0, count_tokens=words)
+    for probe in case.probes:
+        code = probe.answers[0]
+        word, digits = code.split("-")
+        sibling = f"{word}-{digits[:3]}{(int(digits[3]) + 1) % 10}"
+        assert score(probe, code) == 1.0 and score(probe, f"The code is {code.upper()}.") == 1.0
+        assert score(probe, sibling) == 0.0 and score(probe, f"{word}-{digits[:3]}") == 0.0
+        assert score(probe, f"{word}-{digits}0") == 0.0 and score(probe, digits) == 0.0
+    other = case.probes[1].answers[0]
+    assert score(case.probes[0], other) == 0.0
+
+
+def test_onekey_planted_into_a_supplied_document() -> None:
+    document = FILLER + "\n\nThe Kyoto office and the Oslo office closed in 1931."  # names keys some seeds draw
+    for seed in range(4):
+        case = build_case("onekey", 2048, DEPTHS, seed=seed, count_tokens=words, filler=document)
+        assert case == build_case("onekey", 2048, DEPTHS, seed=seed, count_tokens=words, filler=document)
+        facts = onekey_facts(case)
+        assert len(facts) == len(DEPTHS)
+        body = case.text
+        for fact in facts:
+            body = body.replace(fact, "")
+        assert body.lstrip().startswith("Paragraph 0 of the report") and "zebra39." in body
+        sentences = set(re.split(r"(?<=[.!?])\s+", " ".join(document.split())))
+        assert all(s in sentences for s in re.split(r"(?<=[.!?])\s+", " ".join(body.split())) if s)
+        for probe in case.probes:
+            first = case.text.index(probe.answers[0])
+            assert abs(first / len(case.text) - probe.depth) <= 0.05
+            key = differing_words(case.probes[0].question, probe.question)
+            assert all(whole(k.rstrip("?"), case.text) == 1 for _, k in key)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -200,7 +293,7 @@ def test_filler_mode_uses_given_text(task: str) -> None:
     assert 0.95 * 2048 <= words(case.text) <= 1.03 * 2048
     stripped = VAR.sub("", MAGIC.sub("", case.text))
     for probe in case.probes:  # passkey and lookalike facts are sentences of their own
-        if task in ("passkey", "lookalike"):
+        if task in ("passkey", "lookalike", "onekey"):
             stripped = re.sub(r"[^.]*\b" + re.escape(probe.answers[0]) + r"\b[^.]*\.", "", stripped)
     sentences = set(re.split(r"(?<=[.!?])\s+", " ".join(FILLER.split())))
     for s in re.split(r"(?<=[.!?])\s+", " ".join(stripped.split())):

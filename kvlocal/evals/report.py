@@ -395,26 +395,31 @@ def _code_in(code: str, answer: str) -> bool:
     return code.strip().lower() in answer.lower()
 
 
+def task_label(row: dict) -> str:
+    """The row's task, with the document its needles were planted in when it is not generated prose,
+    e.g. 'onekey (GPL-3)': the same task on two fillers is two haystacks, reported apart."""
+    return f"{row['task']} ({Path(row['haystack']).name})" if row.get("haystack") else row["task"]
+
+
 def routes(rows: list[dict]) -> list[dict]:
-    """One entry per (length, task, route): each probe counted once per route (a later row of the same
-    haystack, depth and probe replaces an earlier one, so a rerun does not double n). Accuracy on the
-    facts outside the sinks and window with its n and 95 % Wilson interval; the share of those whose
-    answer equals full attention's (dense prefill, same question pass) on the same probe; the
-    reduction of the answer's steps and the total with the question's read, both means over every
-    row of the route; MiB per answer step; the median decode rate (short answers: not a benchmark);
-    the median prefill rate of the haystacks prefilled in these rows; and what the wrong answers
-    outside the window are: another fact's code of the same haystack, or something else (a
-    near-copy, a cut answer)."""
+    """One entry per (length, task on its filler: `task_label`, route): each probe counted once per route (a
+    later row of the same haystack, depth and probe replaces an earlier one, so a rerun does not double n).
+    Accuracy on the facts outside the sinks and window with its n and 95 % Wilson interval; the share of
+    those whose answer equals full attention's (dense prefill, same question pass) on the same probe; the
+    reduction of the answer's steps and the total with the question's read, both means over every row of the
+    route; MiB per answer step; the median decode rate (short answers: not a benchmark); the median prefill
+    rate of the haystacks prefilled in these rows; and what the wrong answers outside the window are:
+    another fact's code of the same haystack, or something else (a near-copy, a cut answer)."""
     probes: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
     codes: dict[tuple, set[str]] = defaultdict(set)  # haystack -> every fact's code
     full_answer: dict[tuple, str] = {}
     models = {r.get("model") for r in rows}
     for r in rows:
-        haystack = (r.get("model"), r["length"], r["task"], r.get("seed", 0))
+        haystack = (r.get("model"), r["length"], task_label(r), r.get("seed", 0))
         codes[haystack].update(r.get("expected", []))
         # several models' rows: each route is named with its model
         label = f"{r.get('model')}: {route_label(r)}" if len(models) > 1 else route_label(r)
-        probes[(r["length"], r["task"], label)][(r.get("seed", 0), r["depth"], r.get("probe", 0))] = r
+        probes[(r["length"], task_label(r), label)][(r.get("seed", 0), r["depth"], r.get("probe", 0))] = r
         if r["mode"] == "full" and (r.get("prefill") or "dense") == "dense":
             full_answer[(*haystack, r["depth"], r.get("probe", 0), question_pass(r))] = r["answer"].strip()
     out = []
@@ -423,10 +428,10 @@ def routes(rows: list[dict]) -> list[dict]:
         far = [r for r in group if _outside_window(r)]
         acc = _accuracy(far)
         paired = [r["answer"].strip() == full_answer[key] for r in far
-                  if (key := (r.get("model"), r["length"], r["task"], r.get("seed", 0), r["depth"], r.get("probe", 0),
+                  if (key := (r.get("model"), r["length"], task, r.get("seed", 0), r["depth"], r.get("probe", 0),
                               question_pass(r))) in full_answer]
         wrong = [r for r in far if r["score"] < 1]
-        other_fact = sum(any(_code_in(c, r["answer"]) for c in codes[(r.get("model"), r["length"], r["task"],
+        other_fact = sum(any(_code_in(c, r["answer"]) for c in codes[(r.get("model"), r["length"], task,
                                                                        r.get("seed", 0))]
                              if c not in r.get("expected", [])) for r in wrong)
         mib = [m for r in group if (m := answer_step_mib(r)) is not None]

@@ -12,10 +12,11 @@ import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvlocal.evals.haystack import build_haystack
 
-TASKS = ("passkey", "multikey", "lookalike", "multivalue", "multiquery", "vartrack", "cwe")
+TASKS = ("passkey", "multikey", "lookalike", "onekey", "multivalue", "multiquery", "vartrack", "cwe")
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,63 @@ def _lookalike(rng, depths):
     return needles, probes, sorted(numbers)
 
 
+def _codes(rng: random.Random, n: int) -> tuple[list[str], set[str]]:
+    """`n` distinct codes like "amber-4452": two words for the case, 4 digits from a few two-digit
+    prefixes, and about half of them a sibling of an earlier code that shares its first three digits
+    ("amber-4452", "amber-4459"). Returns the codes and their digits."""
+    words = rng.sample(_CODE_WORDS, 2)
+    prefixes = [str(rng.randint(20, 99)) for _ in range(max(1, n // 4))]
+    numbers: set = set()
+    codes = []
+
+    def stem(sibling: bool) -> str:  # the first three digits: an earlier code's (mostly) or new ones
+        if sibling and rng.random() < 0.9:
+            return rng.choice(codes).split("-")[1][:3]
+        return f"{rng.choice(prefixes)}{rng.randint(0, 9)}"
+
+    for _ in range(n):
+        sibling = bool(codes) and rng.random() < 0.5
+        digits = _draw(rng, numbers, lambda: stem(sibling) + str(rng.randint(0, 9)))
+        codes.append(f"{rng.choice(words)}-{digits}")
+    return codes, numbers
+
+
+_HOSTS = tuple(("orion|vega|altair|rigel|deneb|sirius|antares|castor|pollux|procyon|capella|arcturus|spica"
+                "|regulus|mira|bellatrix|alnitak|mintaka|saiph|electra|maia|merope|alcyone|atlas|hadar|shaula|nunki"
+                "|kochab|mizar|alcor|dubhe|merak|phecda|megrez|alioth|thuban|rasalhague|sabik|zosma|denebola").split("|"))
+_PARTIES = tuple(_LAST_NAMES) + tuple(("Achterberg|Bjornstad|Ciobanu|Delacroix|Esposito|Fonseca|Grunwald"
+                                       "|Halvorsen|Ibarra|Jovanovic|Kaminski|Larsen|Marchetti|Nieminen|Oyelaran"
+                                       "|Pereira|Rasmussen|Szabo|Takahashi|Urquhart").split("|"))
+_YEARS = tuple(str(y) for y in range(1901, 1999))
+
+# onekey: every fact of a case is one sentence with one key word changed (a place, a person's name, a
+# host, a year) and a code; (fact, question, keys). Case seed s uses shape s mod 4.
+ONEKEY_SHAPES = (
+    ("The night-shift locker at the {key} depot opens with the access code {code}.",
+     "Which access code opens the night-shift locker at the {key} depot?", tuple(_CITIES)),
+    ("Clause 14 of the maintenance contract signed with Ms {key} sets the penalty reference {code}.",
+     "What penalty reference does clause 14 of the maintenance contract signed with Ms {key} set?", _PARTIES),
+    ("The nightly backup job on host {key} finished and logged the ticket {code}.",
+     "Which ticket did the nightly backup job on host {key} log?", _HOSTS),
+    ("In the harbour register, the row for the year {key} lists the mooring permit {code}.",
+     "Which mooring permit does the row for the year {key} in the harbour register list?", _YEARS),
+)
+
+
+def _onekey(rng, depths, shape):
+    """One fact per depth, all the same sentence with only its key word changed, with codes that
+    share their word and often their first digits; each fact asked once."""
+    fact, question, all_keys = shape
+    if len(depths) > len(all_keys):
+        raise ValueError(f"at most {len(all_keys)} depths per case for this task (got {len(depths)})")
+    keys = rng.sample(all_keys, len(depths))
+    codes, numbers = _codes(rng, len(depths))
+    needles = [(d, fact.format(key=k, code=c)) for d, k, c in zip(depths, keys, codes)]
+    probes = [Probe("onekey", question.format(key=k) + " Answer with the code only.", (c,), d)
+              for d, k, c in zip(depths, keys, codes)]
+    return needles, probes, sorted(numbers) + keys  # the filler neither repeats a code nor names a key
+
+
 def _multivalue(rng, depths):
     used: set = set()
     groups = _groups(depths, 4)
@@ -289,7 +347,8 @@ def build_case(
         return _cwe(n_tokens, seed, count_tokens)
     if not depths:
         raise ValueError("at least one depth is needed")
-    needles, probes, forbid = _PLANTERS[task](random.Random(seed), list(depths))
+    planter = _PLANTERS.get(task) or partial(_onekey, shape=ONEKEY_SHAPES[seed % len(ONEKEY_SHAPES)])
+    needles, probes, forbid = planter(random.Random(seed), list(depths))
     text, _, got = build_haystack(n_tokens, needles, seed=seed, count_tokens=count_tokens, filler=filler,
                                   forbid=forbid)
     return Case(task, text, tuple(probes), seed, got)
