@@ -8,6 +8,7 @@ that streams answer pieces together with the engine's per-step read statistics.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -129,14 +130,21 @@ class Session:
         self.llm = None
         self.parts: PromptParts | None = None
         self.n_prefix = 0
+        self.n_prefix_cells: int | None = None  # cells the prefix holds, where not one a position (a library)
         self.doc_label = ""
         self._lock = threading.Lock()
 
     # -- engine objects -------------------------------------------------------------------
 
-    def _new_llama(self, *, vocab_only: bool = False, n_ctx: int = 512):
+    def _new_llama(self, *, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1):
+        """A llama-cpp-python Llama; with `n_seq_max` > 1 its context holds that many sequences in one
+        unified KV cache (one stream: seq_cp shares cells), which Llama's constructor cannot ask for."""
         module = llama_cpp()
         gpu = bool(module.llama_supports_gpu_offload())
+        with _context_sequences(n_seq_max):
+            return self._new_llama_unlocked(module, gpu, vocab_only, n_ctx)
+
+    def _new_llama_unlocked(self, module, gpu: bool, vocab_only: bool, n_ctx: int):
         try:
             return module.Llama(
                 model_path=str(self.model.path),
@@ -160,6 +168,11 @@ class Session:
     @property
     def ctx(self) -> ctypes.c_void_p:
         return self.llm.ctx
+
+    @property
+    def prefix_cells(self) -> int:
+        """KV cells the loaded prefix holds: its positions, unless a library placed documents side by side."""
+        return self.n_prefix if self.n_prefix_cells is None else self.n_prefix_cells
 
     def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
         """Token ids of `text`; control-token spellings in it stay plain text unless `special`."""
@@ -190,13 +203,16 @@ class Session:
             return self.requested_ctx
         return min(self.trained_ctx, -(-needed // CTX_ROUND) * CTX_ROUND)
 
-    def state_key(self, text: str, n_ctx: int, prefill_tag: str = "dense") -> kvstate.StateKey:
+    def state_key(self, text: str, n_ctx: int, prefill_tag: str = "dense", *,
+                  dense: bool | None = None) -> kvstate.StateKey:
         # an engine built from this checkout is keyed by what decides its prefilled K/V bytes (the
         # pin and the patches not marked `Prefill-KV: unchanged`), so a routing-only rebuild keeps
         # the saved states; any other engine by its whole build id. A routed prefill's K/V depend on
         # the routing code too (the patches marked unchanged are so for a dense prefill only): its
-        # state is keyed by the whole build id as well
-        current = self.engine.current and self.engine.repo_patchset and prefill_tag == "dense"
+        # state is keyed by the whole build id as well. `dense`: the state was prefilled densely
+        # whatever its tag says (a library body's layout tag)
+        dense = prefill_tag == "dense" if dense is None else dense
+        current = self.engine.current and self.engine.repo_patchset and dense
         kv_state = repo_kv_state_id() if current else None
         return kvstate.StateKey(
             text_sha256=hashlib.sha256(text.encode()).hexdigest(),
@@ -237,6 +253,7 @@ class Session:
             self.llm = None
             self.llm = self._new_llama(n_ctx=n_ctx)
         self.n_prefix = 0
+        self.n_prefix_cells = None
         self.doc_label = label
         tag = self.prefill_tag(prefill, len(tokens))
         if tag == "dense":
@@ -345,6 +362,7 @@ class Session:
         module.llama_memory_clear(module.llama_get_memory(self.ctx), True)
         self.llm.n_tokens = 0
         self.n_prefix = 0
+        self.n_prefix_cells = None
 
     def span_text(self, start: int, end: int) -> str:
         """The text of the tokens at positions [start, end) of the context (document, question, answer)."""
@@ -439,17 +457,17 @@ class Session:
         if self.llm is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
         check_ask_settings(question, max_tokens, temperature, seed)
-        route = (route or RouteConfig()).for_document(self.n_prefix)  # an automatic shortlist, once per answer
+        route = (route or RouteConfig()).for_document(self.prefix_cells)  # an automatic shortlist, once per answer
         check_region_block(route.region, self.centroid_block)
         module = llama_cpp()
         with self._lock:
             self._rewind()
             route.apply(self.ctx)
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
-            room = self.llm.n_ctx() - self.n_prefix - len(q_tokens)
+            room = self.llm.n_ctx() - self.prefix_cells - len(q_tokens)
             if room < 1:
                 raise ContextOverflowError(
-                    f"the question ({len(q_tokens):,} tokens) does not fit in the {self.llm.n_ctx() - self.n_prefix:,} "
+                    f"the question ({len(q_tokens):,} tokens) does not fit in the {self.llm.n_ctx() - self.prefix_cells:,} "
                     f"tokens of context left after the document; a larger context leaves more room", setting="ctx")
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
@@ -504,10 +522,39 @@ class Session:
         with self._lock:
             self.llm = None
             self.n_prefix = 0
+            self.n_prefix_cells = None
 
     def close(self) -> None:
         self.llm = None
         self._vocab_llm = None
+
+
+_SEQUENCES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _context_sequences(n_seq_max: int):
+    """While a Llama is built: its context parameters ask for `n_seq_max` sequences in one unified KV
+    cache (llama-cpp-python's Llama takes neither; it reads llama_context_default_params when built)."""
+    if n_seq_max <= 1:
+        yield
+        return
+    import llama_cpp.llama_cpp as bindings  # what llama_cpp.llama.Llama calls
+
+    with _SEQUENCES_LOCK:
+        original = bindings.llama_context_default_params
+
+        def with_sequences():
+            params = original()
+            params.n_seq_max = n_seq_max
+            params.kv_unified = True
+            return params
+
+        bindings.llama_context_default_params = with_sequences
+        try:
+            yield
+        finally:
+            bindings.llama_context_default_params = original
 
 
 def check_ask_settings(question: str, max_tokens: int, temperature: float, seed: int) -> None:

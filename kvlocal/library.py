@@ -1,0 +1,410 @@
+"""The library: a set of documents as one KV cache, each document prefilled once on its own.
+
+`Library` is a Session that also loads a set (docs/library.md). Every document's body is prefilled
+alone after the shared template head, padded with newlines to a whole number of LAYOUT_UNIT cells,
+and its cells alone are saved, keyed by its text as a single document's state is (with the layout
+tag LAYOUT_TAG and no context size): adding a document to a set costs its own prefill, and neither
+the order of a set nor which set it is forces one. A set is assembled without recomputing anything:
+the head is decoded into the question's sequence (0); each body's state is loaded into a staging
+sequence (1), moved to its place with the engine's position shift, shared with sequence 0 and the
+staging sequence dropped, so the cells lie in load order with no hole and every body starts on a
+region boundary. Decoding the prompt's middle then applies the pending K-shifts (and rebuilds the
+region centroids): the set is ready.
+
+Positions (LAYOUTS): *consecutive* (each body after the one before, as one long document) while the
+set fits the model's trained context; *parallel* beyond it: every body keeps the positions it was
+prefilled at, right after the head, and the question follows the longest.
+
+A set of one document is the single-document path (`Session.load_document`): today's tokens,
+logits and saved state. `SetReads` attributes what each answer step read to the documents.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlocal import kvstate
+from kvlocal.engine import llama_cpp
+from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, ModelError, UsageError
+from kvlocal.ingest import Document
+from kvlocal.prompt import Segment, build_prompt
+from kvlocal.routing import PrefillConfig, ReadStats
+from kvlocal.session import ANSWER_RESERVE, CTX_ROUND, LoadResult, PrefillProgress, Session
+
+LAYOUT_UNIT = 64  # cells a body is padded to: every body starts on a boundary of regions of up to 64
+LAYOUT_TAG = f"library-u{LAYOUT_UNIT}"  # a body state's prefill tag (the key's layout)
+LAYOUTS = ("single", "consecutive", "parallel")
+QUESTION_SEQ, STAGING_SEQ = 0, 1
+PAD_TEXT = "\n"  # the filler a head or body is padded with (one token)
+
+
+@dataclass(frozen=True)
+class DocumentSpan:
+    """Where a document of the set sits in the assembled cache."""
+
+    label: str
+    start: int  # first cell of its body
+    end: int  # one past its last cell, padding included
+    n_tokens: int  # the body's own tokens (no padding)
+    position: int  # the position of its first token
+
+
+@dataclass(frozen=True)
+class BodyLoad:
+    """How one document of the set was readied: its saved state loaded, or prefilled (and saved)."""
+
+    label: str
+    n_tokens: int
+    cache_hit: bool
+    seconds: float
+    saved: bool = False
+    rebuilt_reason: str | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SetLoad:
+    """A loaded set: each document, the layout, and the time to ready the set from cached bodies."""
+
+    documents: tuple[BodyLoad, ...]
+    spans: tuple[DocumentSpan, ...]
+    layout: str  # one of LAYOUTS
+    n_cells: int  # cells of the prompt prefix (head, bodies, middle)
+    n_positions: int  # positions it spans (fewer than cells in the parallel layout)
+    n_ctx: int
+    seconds: float  # everything: prefills of the missing bodies, loads and assembly
+    ready_seconds: float  # state loads, shifts and the first decode (centroids rebuilt), no prefill
+    single: LoadResult | None = None  # a set of one: the single-document path's own result
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(doc.n_tokens for doc in self.documents)
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(doc.cache_hit for doc in self.documents)
+
+
+class Library(Session):
+    """A Session that can also hold a set of documents (`load_set`); see the module docstring."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.spans: tuple[DocumentSpan, ...] = ()
+        self.layout = ""
+        self._cell_tokens: list[int] = []  # the prefix's tokens in cell order (for region text)
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_composable(self) -> None:
+        """ModelError unless this model's memory can be composed from per-document states: recurrent
+        and hybrid models keep a state that is not per cell, and an iSWA model's sliding layers would
+        see only the last document."""
+        module = llama_cpp()
+        model = self._vocab_llm.model
+        name = self.model.path.name
+        if module.llama_model_is_recurrent(model) or module.llama_model_is_hybrid(model):
+            what = "recurrent" if module.llama_model_is_recurrent(model) else "hybrid (recurrent and attention)"
+            raise ModelError(f"{name} keeps {what} memory: documents cached one by one cannot be joined into "
+                             "one cache; ask one document at a time")
+        if module.llama_model_n_swa(model) > 0:
+            raise ModelError(f"{name} has sliding-window layers: documents cached one by one cannot be joined "
+                             "into one cache (those layers would see only the last one); ask one document at a time")
+
+    # -- loading a set --------------------------------------------------------------------------
+
+    def load_set(
+        self,
+        documents: Sequence[Document],
+        *,
+        progress: Callable[[PrefillProgress], None] | None = None,
+        log: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        use_cache: bool = True,
+        prefill: PrefillConfig | None = None,
+        layout: str | None = None,
+    ) -> SetLoad:
+        """Load `documents` as one cache. One document takes the single-document path. `layout`
+        forces consecutive or parallel positions (None: consecutive while the set fits the trained
+        context). `log` gets a line as each document is prefilled or loaded."""
+        if not documents:
+            raise UsageError("no documents to load")
+        if len(documents) == 1:
+            doc = documents[0]
+            result = self.load_document(doc.text, label=doc.source, progress=progress, cancel=cancel,
+                                        use_cache=use_cache, prefill=prefill)
+            head = len(self.tokenize_prompt([Segment(self.parts.head, True)], bos=True))
+            body = len(self.tokenize(self.parts.document, bos=False))
+            self.spans = (DocumentSpan(doc.source, head, head + body, body, head),)
+            self.layout = "single"
+            self._cell_tokens = []
+            load = BodyLoad(doc.source, result.n_tokens, result.cache_hit, result.seconds, result.saved,
+                            result.rebuilt_reason)
+            return SetLoad((load,), self.spans, "single", result.n_tokens, result.n_tokens, result.n_ctx,
+                           result.seconds, result.seconds if result.cache_hit else 0.0, single=result)
+        if layout not in (None, "consecutive", "parallel"):
+            raise UsageError(f"the layout must be consecutive or parallel (got {layout!r})")
+        if prefill is not None and prefill.routed:
+            raise UsageError("a routed prefill is for one document; a set's documents are prefilled densely",
+                             setting="prefill")
+        self.check_composable()
+        start = time.perf_counter()
+        # the previous document or set is gone from here on, whatever happens
+        self.llm = None
+        self.n_prefix, self.n_prefix_cells, self.spans, self.layout, self._cell_tokens = 0, None, (), "", []
+        self.parts = build_prompt("", self.chat_template, model_name=self.model.path.name)
+        head = self._padded(self.tokenize_prompt([Segment(self.parts.head, True)], bos=True))
+        middle = self.tokenize_prompt([Segment(self.parts.middle, True)], bos=False)
+        bodies = [self._padded(self.tokenize(doc.text.strip(), bos=False)) for doc in documents]
+        n_body = [len(self.tokenize(doc.text.strip(), bos=False)) for doc in documents]
+        longest = max(len(b) for b in bodies)
+        if len(head) + longest + ANSWER_RESERVE > self.trained_ctx:
+            i = max(range(len(bodies)), key=lambda j: len(bodies[j]))
+            raise ContextOverflowError(
+                f"{documents[i].source} is {n_body[i]:,} tokens; with the prompt and room for a question and "
+                f"answer it needs {len(head) + longest + ANSWER_RESERVE:,}, over the model's trained context "
+                f"{self.trained_ctx:,}")
+        n_cells = len(head) + sum(len(b) for b in bodies) + len(middle)
+        if layout is None:
+            layout = "consecutive" if n_cells + ANSWER_RESERVE <= self.trained_ctx else "parallel"
+        if layout == "consecutive" and n_cells + ANSWER_RESERVE > self.trained_ctx:
+            raise ContextOverflowError(
+                f"the set's {n_cells:,} tokens at consecutive positions need {n_cells + ANSWER_RESERVE:,} with room "
+                f"for a question and answer, over the model's trained context {self.trained_ctx:,}")
+        n_ctx = -(-(n_cells + ANSWER_RESERVE) // CTX_ROUND) * CTX_ROUND
+        if self.requested_ctx is not None:
+            if self.requested_ctx < n_cells + ANSWER_RESERVE:
+                raise ContextOverflowError(
+                    f"the set is {n_cells:,} tokens and needs {n_cells + ANSWER_RESERVE:,} with room for a question "
+                    f"and answer, but the context holds {self.requested_ctx:,}", setting="ctx")
+            n_ctx = max(n_ctx, self.requested_ctx)
+
+        # 1. every body's saved state, or its prefill (saved as it finishes: a later failure keeps it)
+        keys = [self.state_key(doc.text.strip(), 0, LAYOUT_TAG, dense=True) for doc in documents]
+        states: list[bytes | None] = [None] * len(documents)
+        loads: list[BodyLoad] = []
+        for i, doc in enumerate(documents):
+            t0 = time.perf_counter()
+            state, reason = (self._saved_body(keys[i], bodies[i]) if use_cache else (None, None))
+            if state is not None:
+                states[i] = state  # loaded into the engine in step 2
+                loads.append(BodyLoad(doc.source, n_body[i], True, time.perf_counter() - t0))
+                continue
+            if log:
+                log(f"document {i + 1}/{len(documents)} {doc.source}: prefilling {n_body[i]:,} tokens")
+            state = self._prefill_body(head, bodies[i], progress, cancel)
+            saved, note = False, None
+            if use_cache:
+                try:
+                    kvstate.save_state(keys[i], np.array(bodies[i], np.int32), state, label=doc.source)
+                    saved = True
+                except OSError as err:
+                    note = f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
+            states[i] = state
+            reason = f"{reason}; {note}" if reason and note else (reason or note)
+            loads.append(BodyLoad(doc.source, n_body[i], False, time.perf_counter() - t0, saved, reason))
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("cancelled: the set was not loaded")
+
+        # 2. the set's context: head, then each body staged into place, then the middle
+        ready_start = time.perf_counter()
+        self.llm = None
+        self.llm = self._new_llama(n_ctx=n_ctx, n_seq_max=2)
+        module = llama_cpp()
+        mem = module.llama_get_memory(self.ctx)
+        spans: list[DocumentSpan] = []
+        try:
+            self.llm.eval(head)
+            cell = position = len(head)
+            for i, doc in enumerate(documents):
+                state = states[i]
+                states[i] = None  # what is staged need not stay in memory twice
+                buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+                if module.llama_state_seq_set_data(self.ctx, buf, len(state), STAGING_SEQ) != len(state):
+                    kvstate.discard(keys[i])
+                    raise EngineError(f"the saved state of {doc.source} did not load into the engine (it was "
+                                      "discarded; asking again prefills it)")
+                shift = position - len(head)
+                if shift:
+                    module.llama_memory_seq_add(mem, STAGING_SEQ, -1, -1, shift)
+                module.llama_memory_seq_cp(mem, STAGING_SEQ, QUESTION_SEQ, -1, -1)
+                module.llama_memory_seq_rm(mem, STAGING_SEQ, -1, -1)
+                spans.append(DocumentSpan(doc.source, cell, cell + len(bodies[i]), n_body[i], position))
+                cell += len(bodies[i])
+                if layout == "consecutive":
+                    position += len(bodies[i])
+            if layout == "parallel":
+                position = len(head) + longest
+            self.llm.n_tokens = position  # Llama.eval's next position (not the cells, in the parallel layout)
+            self.llm.eval(middle)  # applies every pending K-shift and rebuilds the centroids
+        except KeyboardInterrupt:
+            self.llm = None
+            raise CancelledError("interrupted: the set was not loaded") from None
+        except RuntimeError as err:
+            self.llm = None
+            raise EngineError(f"assembling the set failed: {err}") from None
+        except BaseException:
+            self.llm = None
+            raise
+        end = time.perf_counter()
+        self.n_prefix = position + len(middle)
+        self.n_prefix_cells = n_cells
+        self.spans = tuple(spans)
+        self.layout = layout
+        self.doc_label = f"{len(documents)} documents"
+        self._cell_tokens = head + [t for body in bodies for t in body] + middle
+        return SetLoad(tuple(loads), self.spans, layout, n_cells, self.n_prefix, n_ctx, end - start,
+                       end - ready_start + sum(d.seconds for d in loads if d.cache_hit))
+
+    def _padded(self, tokens: list[int]) -> list[int]:
+        pad = -len(tokens) % LAYOUT_UNIT
+        return tokens + [self._pad_token()] * pad
+
+    def _pad_token(self) -> int:
+        return self.tokenize(PAD_TEXT, bos=False)[-1]
+
+    def _saved_body(self, key: kvstate.StateKey, body: list[int]) -> tuple[bytes | None, str | None]:
+        """A body's saved state when it is there and holds these tokens; else None and why it was dropped."""
+        try:
+            saved = kvstate.load_state(key)
+        except (kvstate.StateCacheError, OSError) as err:
+            return None, self._discard(key, f"saved state discarded: {err}")
+        if saved is None:
+            return None, None
+        tokens, state = saved
+        if list(tokens) != body:
+            return None, self._discard(key, "saved state did not match the document tokens; rebuilt")
+        return state, None
+
+    @staticmethod
+    def _discard(key: kvstate.StateKey, reason: str) -> str:
+        try:
+            kvstate.discard(key)
+        except OSError as err:
+            return f"{reason} (the stale entry could not be removed: {err.strerror or err})"
+        return reason
+
+    def _prefill_body(self, head: list[int], body: list[int], progress, cancel) -> bytes:
+        """Prefill head + body in a single-sequence context; the state of the body's cells alone."""
+        n_ctx = max(-(-(len(head) + len(body)) // CTX_ROUND) * CTX_ROUND, CTX_ROUND)
+        if self.llm is None or self.llm.n_ctx() < n_ctx:  # load_set dropped the set's context first
+            self.llm = None
+            self.llm = self._new_llama(n_ctx=n_ctx)
+        self._prefill(head + body, progress, cancel, PrefillConfig())
+        module = llama_cpp()
+        module.llama_memory_seq_rm(module.llama_get_memory(self.ctx), 0, 0, len(head))
+        state = self._get_state()
+        self._clear_kv()
+        return state
+
+    # -- reading it back -------------------------------------------------------------------------
+
+    def span_text(self, start: int, end: int) -> str:
+        """The text of cells [start, end): the set's prefix by cell, then the question and answer."""
+        if not self._cell_tokens:
+            return super().span_text(start, end)
+        n_cells = len(self._cell_tokens)
+        tokens = self._cell_tokens[start:min(end, n_cells)]
+        if end > n_cells and self.llm is not None:  # question and answer: cells follow positions there
+            offset = self.n_prefix - n_cells
+            tokens += [int(t) for t in self.llm.input_ids[max(start, n_cells) + offset:min(end + offset, self.llm.n_tokens)]]
+        if not tokens:
+            return ""
+        return self.llm.detokenize(tokens, special=True).decode("utf-8", errors="replace")
+
+    def document_at(self, cell: int) -> DocumentSpan | None:
+        """The document whose body holds `cell` (None for the template head, the question and the answer)."""
+        return span_at(self.spans, cell)
+
+    def read_tally(self) -> SetReads:
+        """An empty tally of the reads of the next answer, by document (feed it each step's ReadStats)."""
+        return SetReads(self.spans, self.prefix_cells)
+
+
+def span_at(spans: Sequence[DocumentSpan], cell: int) -> DocumentSpan | None:
+    starts = [s.start for s in spans]
+    i = bisect.bisect_right(starts, cell) - 1
+    return spans[i] if i >= 0 and cell < spans[i].end else None
+
+
+@dataclass
+class SetReads:
+    """KV rows (one cell of one KV head) that answer steps read, by where they sit: each document,
+    the template head before the first one, and the rest (the middle, the question and the answer).
+    The parts add up to `total`, which is the engine's own `rows_read` summed over the steps."""
+
+    spans: Sequence[DocumentSpan]
+    prefix_cells: int
+    documents: list[int] = field(default_factory=list)
+    head: int = 0
+    rest: int = 0
+    steps: int = 0
+    routed_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.documents = [0] * len(self.spans)
+
+    @property
+    def total(self) -> int:
+        return self.head + sum(self.documents) + self.rest
+
+    def add(self, stats: ReadStats | None) -> None:
+        """Count one step: the regions each routed layer and KV head gathered, and every cell of its
+        view (`n_kv`) for the layers that attended densely."""
+        if stats is None:
+            return
+        self.steps += 1
+        n_dense = max(0, stats.n_layer - stats.n_layer_routed)
+        if n_dense and stats.n_kv:
+            self._add_cells(0, stats.n_kv, n_dense * stats.n_head_kv)
+        if stats.n_layer_routed and stats.regions.size:
+            self.routed_steps += 1
+            R = stats.region_size
+            regions, counts = np.unique(stats.regions.ravel(), return_counts=True)
+            for region, count in zip(regions.tolist(), counts.tolist()):
+                self._add_cells(region * R, (region + 1) * R, count)
+
+    def _add_cells(self, lo: int, hi: int, times: int) -> None:
+        """Count cells [lo, hi) read `times` times, split at the parts' boundaries."""
+        spans = self.spans
+        first = spans[0].start if spans else self.prefix_cells
+        head = max(0, min(hi, first) - lo)
+        in_docs = 0
+        for i, span in enumerate(spans):
+            cells = max(0, min(hi, span.end) - max(lo, span.start))
+            self.documents[i] += times * cells
+            in_docs += cells
+        self.head += times * head
+        # the rest: the middle, the question and the answer, and the empty cells of a padded view
+        self.rest += times * (hi - lo - head - in_docs)
+
+    def shares(self) -> list[tuple[str, float]]:
+        """(document, share of the reads that fell in documents), most-read first."""
+        in_docs = sum(self.documents)
+        if not in_docs:
+            return []
+        ranked = sorted(zip((s.label for s in self.spans), self.documents), key=lambda item: -item[1])
+        return [(label, n / in_docs) for label, n in ranked if n]
+
+    def describe(self, limit: int = 8) -> str:
+        """One line: the documents the reads came from, most-read first."""
+        shares = self.shares()
+        if not self.steps or not shares:
+            return "reads by document: none"
+        parts = [f"{label} {share:.0%}" for label, share in shares[:limit]]
+        if len(shares) > limit:
+            parts.append(f"{len(shares) - limit} more")
+        total = max(1, self.total)
+        note = "" if self.routed_steps else " (dense: every step read every document)"
+        return (f"reads by document: {', '.join(parts)}{note}; of all rows read, the template head "
+                f"{self.head / total:.0%}, the question and answer {self.rest / total:.0%}")
