@@ -117,7 +117,10 @@ class Library(Session):
             what = "recurrent" if module.llama_model_is_recurrent(model) else "hybrid (recurrent and attention)"
             raise ModelError(f"{name} keeps {what} memory: documents cached one by one cannot be joined into "
                              "one cache; ask one document at a time")
-        if module.llama_model_n_swa(model) > 0:
+        # the vocabulary-only model has no hyperparameters loaded: the window is read from the header
+        meta = self._vocab_llm.metadata
+        window = meta.get(f"{meta.get('general.architecture', '')}.attention.sliding_window", "0")
+        if module.llama_model_n_swa(model) > 0 or _positive(window):
             raise ModelError(f"{name} has sliding-window layers: documents cached one by one cannot be joined "
                              "into one cache (those layers would see only the last one); ask one document at a time")
 
@@ -329,6 +332,13 @@ class Library(Session):
     def read_tally(self) -> SetReads:
         """An empty tally of the reads of the next answer, by document (feed it each step's ReadStats)."""
         return SetReads(self.spans, self.prefix_cells)
+
+
+def _positive(value: str) -> bool:
+    try:
+        return float(value) > 0
+    except ValueError:
+        return False
 
 
 def span_at(spans: Sequence[DocumentSpan], cell: int) -> DocumentSpan | None:
