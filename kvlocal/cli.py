@@ -17,6 +17,7 @@ from kvlocal.cli_options import (
     CtxOpt,
     KvTypeOpt,
     LengthsOpt,
+    MaxKvOpt,
     MaxTokensOpt,
     ModelOpt,
     NoCacheOpt,
@@ -119,10 +120,13 @@ def _check_lengths_fit(session, lengths: list[int]) -> None:
 
 
 def _open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_BLOCK,
-                  centroid_type=DEFAULT_CENTROID_TYPE):
+                  centroid_type=DEFAULT_CENTROID_TYPE, *, library=False):
+    """The session of `model` (a Library, which also loads sets of documents, with `library`)."""
     from kvlocal.progress import StatusLine, download_text
     from kvlocal.session import Session
 
+    if library:
+        from kvlocal.library import Library as Session
     line = StatusLine()
     session = Session(
         model, n_ctx=ctx, threads=threads, kv_type=kv_type, centroid_block=centroid_block, centroid_type=centroid_type,
@@ -147,18 +151,71 @@ def _load(session, text: str, label: str, use_cache: bool, prefill=None):
     return result
 
 
-def _stream_answer(session, question: str, **kwargs) -> str:
+def _stream_answer(session, question: str, *, tally=None, **kwargs) -> str:
+    """Stream the answer to stdout, its summary to stderr; `tally` (a library's SetReads) counts each
+    step's reads by document and says where they came from."""
     from kvlocal.progress import answer_summary
 
-    answer = session.ask(question, **kwargs)
+    answer = session.ask(question, want_regions=tally is not None, **kwargs)
     for piece in answer:
+        if tally is not None:
+            tally.add(piece.stats)
         sys.stdout.write(piece.text)
         sys.stdout.flush()
     summary = answer.summary()
     sys.stdout.write("\n")
     sys.stdout.flush()
     err(f"kvlocal: {answer_summary(summary)}".replace("\n", "\nkvlocal: "))
+    if tally is not None:
+        err(f"kvlocal: {tally.describe()}")
     return summary.text
+
+
+# `kvlocal ask` answered, but some of the files named or found in a folder were skipped (each named
+# on stderr): the answer is from the others
+EXIT_SKIPPED = 3
+
+
+def _document_set(documents: list[str], max_kv: str | None):
+    """The documents named (files and folders, expanded) and the KV limit, both checked before any
+    engine work; each skipped file named in one line."""
+    from kvlocal.docset import DocumentSet, default_max_kv, expand_documents, parse_size
+    from kvlocal.ingest import load_document
+
+    limit = parse_size(max_kv) if max_kv is not None else default_max_kv()
+    if len(documents) == 1 and not Path(documents[0]).is_dir():  # one file: its own error if unusable, as always
+        return DocumentSet([load_document(documents[0])]), limit
+    docs = expand_documents(documents)
+    for skipped in docs.skipped:
+        err(f"kvlocal: {skipped.message}")
+    return docs, limit
+
+
+def _check_set_fits(session, docs, limit: int | None, kv_type: str) -> None:
+    """The set's KV bytes, estimated from its characters and the model's header, against the limit:
+    refused in one line before any document is loaded."""
+    from kvlocal.docset import check_kv_limit, estimate_kv
+
+    check_kv_limit(estimate_kv(docs, session.model.info, kv_type, centroid_block=session.centroid_block,
+                               centroid_type=session.centroid_type), limit)
+
+
+def _load_set(session, docs, use_cache: bool, prefill=None):
+    """Load a set through the library (one document: exactly `_load`), with a line per document."""
+    from kvlocal.progress import StatusLine, prefill_text, set_summary
+
+    if len(docs) == 1:
+        return _load(session, docs[0].text, docs[0].source, use_cache, prefill)
+    line = StatusLine()
+    try:
+        result = session.load_set(docs, progress=lambda p: line.show(prefill_text(p)),
+                                  log=lambda text: (line.done(), err(f"kvlocal: {text}")), use_cache=use_cache,
+                                  prefill=prefill)
+    finally:
+        line.done()
+    for text in set_summary(result):
+        err(f"kvlocal: {text}")
+    return result
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -168,8 +225,9 @@ def _stream_answer(session, question: str, **kwargs) -> str:
 @handles_errors
 @option_groups
 def ask(
-    document: Annotated[str, typer.Argument(help="PDF, .txt, .md, .html or .epub file, or - for stdin.")],
-    question: Annotated[str, typer.Argument(help="The question to answer from the document.")],
+    documents: Annotated[list[str], typer.Argument(
+        metavar="DOCUMENT...", help="PDF, .txt, .md, .html or .epub files, folders of them, or - for stdin.")],
+    question: Annotated[str, typer.Argument(help="The question to answer from the documents (the last argument).")],
     model: ModelOpt = None,
     max_tokens: MaxTokensOpt = 256,
     route: RouteOpt = DEFAULT_MODE,
@@ -182,19 +240,32 @@ def ask(
     seed: SeedOpt = 0,
     prefill: PrefillOpt = DEFAULT_PREFILL,
     prefilling: PrefillOptions = PrefillOptions(),
+    max_kv: MaxKvOpt = None,
 ) -> None:
-    """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
-    from kvlocal.ingest import load_document
+    """Answer QUESTION from one or several DOCUMENTs; the answer streams to stdout, progress and KV reads to stderr.
+
+    Several documents (or folders: their supported files, recursively) are asked as one set: each is
+    prefilled once and cached on its own, and the set is assembled from the cached states. A file that
+    cannot be read is named and skipped; the others are answered and the exit status is 3.
+    """
     from kvlocal.session import check_ask_settings
 
     route_cfg = routing.config(route, seed)
     prefill_cfg = prefilling.config(prefill)
-    question = _text_arg(question)  # the document stays as given: a path
+    question = _text_arg(question)  # the documents stay as given: paths
     check_ask_settings(question, max_tokens, temperature, seed)
-    doc = load_document(document)
-    session = _open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type)
-    _load(session, doc.text, doc.source, not no_cache, prefill_cfg)
-    _stream_answer(session, question, route=route_cfg, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    docs, limit = _document_set(documents, max_kv)
+    session = _open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type, library=True)
+    if len(docs.documents) > 1:  # one document is bounded by the model's trained context, as before
+        _check_set_fits(session, docs, limit, kv_type)
+    _load_set(session, docs.documents, not no_cache, prefill_cfg)
+    tally = session.read_tally() if len(docs.documents) > 1 else None
+    _stream_answer(session, question, tally=tally, route=route_cfg, max_tokens=max_tokens, temperature=temperature,
+                   seed=seed)
+    if docs.skipped:
+        err(f"kvlocal: answered from {len(docs.documents)} of {len(docs.documents) + len(docs.skipped)} files "
+            f"({len(docs.skipped)} skipped); exit status {EXIT_SKIPPED}")
+        raise typer.Exit(EXIT_SKIPPED)
 
 
 @app.command()
@@ -291,7 +362,8 @@ def cache_clear() -> None:
 @handles_errors
 @option_groups
 def tui(
-    document: Annotated[Optional[Path], typer.Argument(help="Document to open (or pick one in the app).")] = None,
+    documents: Annotated[Optional[list[Path]], typer.Argument(
+        metavar="[DOCUMENT]...", help="Documents or folders to open as one set (or pick one in the app).")] = None,
     model: ModelOpt = None,
     max_tokens: MaxTokensOpt = 256,
     route: RouteOpt = DEFAULT_MODE,
@@ -302,17 +374,21 @@ def tui(
     seed: SeedOpt = 0,
     prefill: PrefillOpt = DEFAULT_PREFILL,
     prefilling: PrefillOptions = PrefillOptions(),
+    max_kv: MaxKvOpt = None,
 ) -> None:
-    """The interactive app: load, ask, and watch which KV regions each step reads."""
+    """The interactive app: load a document or a set, ask, and watch which KV regions each step reads."""
+    from kvlocal.docset import parse_size
+
     route_cfg = routing.config(route, seed)
     prefill_cfg = prefilling.config(prefill)
+    limit = parse_size(max_kv) if max_kv is not None else None  # None: the app's default (half the memory)
     _check_terminal()  # before textual is imported
     from kvlocal.tui.app import run_app
 
     session_settings = {"n_ctx": ctx, "threads": threads, "kv_type": kv_type,
                         "centroid_block": routing.centroid_block, "centroid_type": routing.centroid_type}
-    code = run_app(document=document, model=model, route=route_cfg, prefill=prefill_cfg, max_tokens=max_tokens,
-                   session_settings=session_settings)
+    code = run_app(documents=documents or [], model=model, route=route_cfg, prefill=prefill_cfg,
+                   max_tokens=max_tokens, session_settings=session_settings, max_kv=limit)
     if code:  # 130: interrupted (SIGINT or ctrl+c)
         if code == 130:
             err("kvlocal: interrupted")

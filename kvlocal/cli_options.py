@@ -65,6 +65,9 @@ MaxTokensOpt = Annotated[Optional[int], typer.Option(
     "--max-tokens", "-n", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens (eval: by task unless given).")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", help="0 answers greedily.")]
 NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the document's KV state.")]
+MaxKvOpt = Annotated[Optional[str], typer.Option(
+    "--max-kv", metavar="SIZE", show_default="half the memory",
+    help="Most KV cache a set of documents may take, e.g. 8GiB; a larger set is refused before loading.")]
 RouteOpt = Annotated[str, typer.Option(
     "--route", help="geometric (routed), full (dense), or the controls window and random.")]
 LengthsOpt = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k.")]

@@ -98,3 +98,22 @@ def answer_summary(s: AnswerSummary) -> str:
     if s.context_full:
         lines.append("note: the answer stopped because the context is full (--ctx sets a larger one)")
     return "\n".join(lines)
+
+
+def set_summary(load) -> list[str]:  # kvlocal.library.SetLoad
+    """A line per document of a loaded set, then one for the set."""
+    lines = []
+    for doc in load.documents:
+        if doc.cache_hit:
+            how = "saved KV state loaded (cache hit, no prefill)"
+        else:
+            how = f"prefilled in {doc.seconds:.1f} s ({doc.rate:,.0f} tok/s)" + (", state saved" if doc.saved else "")
+        lines.append(f"document {doc.label}: {doc.n_tokens:,} tokens; {how}")
+        if doc.rebuilt_reason:
+            lines.append(f"document {doc.label}: {doc.rebuilt_reason}")
+    positions = ("consecutive positions" if load.layout == "consecutive" else
+                 "parallel positions (each after the template head: the set is past the trained context)")
+    lines.append(f"set: {len(load.documents)} documents, {load.n_cells:,} cells at {positions}, context {load.n_ctx:,}; "
+                 f"{load.cache_hits} from the cache; ready in {load.ready_seconds:.1f} s "
+                 f"(states loaded, moved into place), {load.seconds:.1f} s in all")
+    return lines

@@ -7,6 +7,7 @@ real Session on the tiny synthetic model (its answers are gibberish: they check 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -502,3 +503,32 @@ async def test_typing_during_the_load_is_kept_for_the_question(doc):
         await wait_for(pilot, lambda: app.document is not None and app.busy is None)
         box = app.query_one("#question", Input)
         assert box.value == "who wrote it?x" and box.cursor_position == len(box.value)
+
+
+@pytest.mark.engine
+@pytest.mark.asyncio
+async def test_tiny_model_opens_a_set_and_names_the_documents_its_sources_lie_in(cache_dir, tmp_path, tiny_model):
+    from kvlocal.library import Library
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    (folder / "a.txt").write_text("\n".join(DOC.splitlines()[:20]))
+    (folder / "b.txt").write_text("\n".join(line.replace("gauge", "meter") for line in DOC.splitlines()[:20]))
+    (folder / "c.bin").write_bytes(b"not a document")
+    app = KvlocalApp([folder], session_factory=lambda progress: Library(str(tiny_model), threads=2,
+                                                                        model_progress=progress), max_tokens=8)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.document is not None or (app.busy is None and len(notices(app)) > 2))
+        assert app.document is not None, notices(app)
+        assert [Path(d).name for d in app.document.documents] == ["a.txt", "b.txt"]
+        assert app.document.name == "2 documents" and app.document.n_tokens == app.session.prefix_cells
+        assert any("skipped" in n and "c.bin" in n for n in notices(app))
+        app.route = dataclasses.replace(app.route, mode="window")  # the sources list is for routed modes
+        assert app.ask(QUESTION)
+        await wait_for(pilot, lambda: app.busy is None and app.log_widget.entries[0].done)
+        entry = app.log_widget.entries[0]
+        assert entry.reads.doc_regions == -(-app.session.prefix_cells // 64)
+        sources = app.query_one(SourcesList).sources
+        assert sources and any(s.snippet.startswith(("[a.txt]", "[b.txt]")) for s in sources)
+        span = app.session.spans[1]
+        assert app.region_text(span.start // 64).startswith(app.session.span_text(span.start, span.start + 4))

@@ -41,6 +41,7 @@ from kvlocal.tui.messages import (
     DocumentFailed,
     DocumentLoaded,
     DocumentRead,
+    DocumentSkipped,
     LoadedDocument,
     ModelProgress,
     PrefillProgressed,
@@ -62,12 +63,13 @@ WELCOME = "No document loaded. Press ctrl+o to open one (pdf, txt, md, html, epu
 
 
 def default_session_factory(model: str | None, threads: int | None = None, **settings: Any) -> SessionFactory:
-    """Opens the Session of `model`; `settings` are its other keyword arguments (n_ctx, kv_type, centroids)."""
+    """Opens the session of `model` (a Library: it loads a document or a set); `settings` are its other
+    keyword arguments (n_ctx, kv_type, centroids)."""
 
     def factory(progress: ModelProgressFn):
-        from kvlocal.session import Session
+        from kvlocal.library import Library
 
-        return Session(model, threads=threads, model_progress=progress, **settings)
+        return Library(model, threads=threads, model_progress=progress, **settings)
 
     return factory
 
@@ -102,7 +104,7 @@ class KvlocalApp(App[None]):
 
     def __init__(
         self,
-        document: Path | str | None = None,
+        document: Path | str | list[Path | str] | None = None,
         *,
         model: str | None = None,
         threads: int | None = None,
@@ -111,12 +113,17 @@ class KvlocalApp(App[None]):
         prefill: PrefillConfig | None = None,
         max_tokens: int = 256,
         handle_sigint: bool = False,
+        max_kv: int | None = None,
     ) -> None:
-        """`handle_sigint`: a SIGINT to the process interrupts the app (see `interrupt`); `run_app` sets it."""
+        """`document`: a path, or several (files and folders) opened as one set. `handle_sigint`: a SIGINT
+        to the process interrupts the app (see `interrupt`); `run_app` sets it. `max_kv`: the most KV
+        bytes a set may take (None: docset's default, half the memory)."""
         super().__init__()
         self.handle_sigint = handle_sigint
         self._sigint_loop: Any = None  # the event loop the SIGINT handler is installed on
-        self.initial_document = Path(document) if document is not None else None
+        paths = [] if document is None else list(document) if isinstance(document, (list, tuple)) else [document]
+        self.initial_documents = [Path(p) for p in paths]
+        self.max_kv = max_kv
         self.session_factory = session_factory or default_session_factory(model, threads)
         self.session: Any = None
         self.document: LoadedDocument | None = None
@@ -163,8 +170,10 @@ class KvlocalApp(App[None]):
         self.query_one("#question", Input).focus()
         if self.handle_sigint:
             self._install_sigint()
-        if self.initial_document is not None:
-            self.open_document(self.initial_document)
+        if len(self.initial_documents) == 1 and not self.initial_documents[0].is_dir():
+            self.open_document(self.initial_documents[0])
+        elif self.initial_documents:
+            self.open_set(self.initial_documents)
 
     def _install_sigint(self) -> None:
         """Route SIGINT (kill -INT; the terminal's ctrl+c is a key in raw mode) to `interrupt`: asyncio's own
@@ -250,17 +259,9 @@ class KvlocalApp(App[None]):
             self.post_message(DocumentFailed(path, f"{type(err).__name__}: {err}"))
             return
         self.post_message(DocumentRead(path, doc.kind, len(doc.text)))
-        session = self.session
+        session = self._open_session()
         if session is None:
-            try:
-                session = self.session_factory(lambda done, total, stage: self.post_message(ModelProgress(done, total, stage)))
-            except KvlocalError as err:
-                self.post_message(SessionFailed(str(err)))
-                return
-            except Exception as err:  # noqa: BLE001
-                self.post_message(SessionFailed(f"{type(err).__name__}: {err}"))
-                return
-            self.post_message(SessionOpened(session))
+            return
         try:
             if cancel.is_set():
                 raise CancelledError("cancelled: the document was not loaded")
@@ -292,6 +293,83 @@ class KvlocalApp(App[None]):
             prefill=result.prefill.mode,
         )
         self.post_message(DocumentLoaded(loaded))
+
+    def open_set(self, paths: list[Path]) -> None:
+        """Read the documents (folders expanded), then load them as one set in a worker."""
+        if self.busy:
+            self.notify("Busy; esc cancels the current work.", severity="warning")
+            return
+        paths = [Path(p).expanduser() for p in paths]
+        self.busy = "load"
+        self._cancel = threading.Event()
+        self._load_screen = LoadScreen(f"Opening {len(paths)} documents" if len(paths) > 1 else f"Opening {paths[0].name}")
+        self.push_screen(self._load_screen)
+        self._load_set_worker(paths, self._cancel)
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def _load_set_worker(self, paths: list[Path], cancel: threading.Event) -> None:
+        from kvlocal.docset import check_kv_limit, default_max_kv, estimate_kv, expand_documents
+
+        first = paths[0]
+        try:
+            docs = expand_documents(paths)
+        except KvlocalError as err:
+            self.post_message(DocumentFailed(first, str(err)))
+            return
+        for skipped in docs.skipped:
+            self.post_message(DocumentSkipped(skipped.message))
+        self.post_message(DocumentRead(first, "set" if len(docs.documents) > 1 else docs.documents[0].kind, docs.n_chars))
+        session = self._open_session()
+        if session is None:
+            return
+        try:
+            if cancel.is_set():
+                raise CancelledError("cancelled: the set was not loaded")
+            limit = self.max_kv if self.max_kv is not None else default_max_kv()
+            check_kv_limit(estimate_kv(docs, session.model.info, session.kv_type, centroid_block=session.centroid_block,
+                                       centroid_type=session.centroid_type), limit)
+            result = session.load_set(docs.documents, progress=lambda p: self.post_message(PrefillProgressed(p)),
+                                      cancel=cancel, prefill=self.prefill)
+        except CancelledError as err:
+            self.post_message(DocumentFailed(first, str(err), cancelled=True))
+            return
+        except KvlocalError as err:
+            self.post_message(DocumentFailed(first, str(err)))
+            return
+        except Exception as err:  # noqa: BLE001
+            self.post_message(DocumentFailed(first, f"{type(err).__name__}: {err}"))
+            return
+        loaded = LoadedDocument(
+            path=Path(docs.documents[0].source),
+            kind=docs.documents[0].kind if len(docs.documents) == 1 else "set",
+            n_tokens=result.n_cells,
+            n_ctx=result.n_ctx,
+            cache_hit=result.cache_hits == len(result.documents),
+            seconds=result.seconds,
+            rebuilt_reason="; ".join(d.rebuilt_reason for d in result.documents if d.rebuilt_reason) or None,
+            saved=all(d.saved or d.cache_hit for d in result.documents),
+            prefill=self.prefill.mode if len(docs.documents) == 1 else "dense",
+            documents=tuple(d.source for d in docs.documents) if len(docs.documents) > 1 else (),
+        )
+        self.post_message(DocumentLoaded(loaded))
+
+    def _open_session(self):
+        """The session, opened on first use (posting SessionOpened or SessionFailed); None if it failed."""
+        if self.session is not None:
+            return self.session
+        try:
+            session = self.session_factory(lambda done, total, stage: self.post_message(ModelProgress(done, total, stage)))
+        except KvlocalError as err:
+            self.post_message(SessionFailed(str(err)))
+            return None
+        except Exception as err:  # noqa: BLE001
+            self.post_message(SessionFailed(f"{type(err).__name__}: {err}"))
+            return None
+        self.post_message(SessionOpened(session))
+        return session
+
+    def on_document_skipped(self, message: DocumentSkipped) -> None:
+        self.log_widget.add_notice(message.message, error=True)
 
     def on_model_progress(self, message: ModelProgress) -> None:
         if self._load_screen is not None:
@@ -382,8 +460,12 @@ class KvlocalApp(App[None]):
         self.counters.show_idle()
         self.query_one(SourcesList).set_sources([], empty="most-read regions appear after an answer")
 
+    def _prefix_cells(self) -> int:
+        """Cells of the loaded prompt prefix (a library's set holds more cells than positions)."""
+        return getattr(self.session, "prefix_cells", self.session.n_prefix)
+
     def _empty_reads(self) -> ReadMap:
-        n_prefix = self.session.n_prefix
+        n_prefix = self._prefix_cells()
         R = self.route.region
         return ReadMap.empty(self.session.n_layer, regions_for(n_prefix, R), R, regions_for(self.document.n_ctx, R))
 
@@ -413,7 +495,7 @@ class KvlocalApp(App[None]):
         route = self.route
         entry = self.log_widget.add_entry(entry_id, question, route)
         self.live_entry = entry
-        self.live = LiveAnswer(self.session.n_layer, self.document.n_ctx, self.session.n_prefix, route.region)
+        self.live = LiveAnswer(self.session.n_layer, self.document.n_ctx, self._prefix_cells(), route.region)
         self.shown_entry = None
         self.log_widget.mark_selected(None)
         self.heatmap.set_reads(self.live.reads())
@@ -526,12 +608,21 @@ class KvlocalApp(App[None]):
             return
         n_sink = regions_for(route.sinks, route.region)
         ranked = rank_sources(reads, n_sink_regions=n_sink)
-        sources = [Source(r, n, share, fixed, _one_line(self.region_text(r))[:120]) for r, n, share, fixed in ranked]
+        sources = [Source(r, n, share, fixed, self._source_snippet(r)) for r, n, share, fixed in ranked]
         sources_list.set_sources(sources, empty="no document region was read beyond the sinks")
         if sources:
             sources_list.highlighted = 0
         else:
             self._refresh_region_view()
+
+    def _source_snippet(self, region: int) -> str:
+        """A region's text for the sources list; in a set, after the name of the document it lies in."""
+        text = _one_line(self.region_text(region))
+        if self.document is not None and self.document.documents and hasattr(self.session, "document_at"):
+            span = self.session.document_at(region * self.route.region)
+            if span is not None:
+                text = f"[{Path(span.label).name}] {text}"
+        return text[:120]
 
     @on(OptionList.OptionHighlighted, "#sources")
     def _source_highlighted(self, event: OptionList.OptionHighlighted) -> None:
@@ -553,7 +644,7 @@ class KvlocalApp(App[None]):
             text = self.session.span_text(start, end)
         except Exception as err:  # noqa: BLE001 - a display helper must not take the app down
             return f"(text unavailable: {err})"
-        if end <= self.session.n_prefix:
+        if end <= self._prefix_cells():
             self._region_text[region] = text
         return text
 
@@ -659,11 +750,13 @@ class KvlocalApp(App[None]):
 INTERRUPTED = 130  # the exit code of an interrupted kvlocal command
 
 
-def run_app(document: Path | None = None, model: str | None = None, *, route: RouteConfig | None = None,
-            prefill: PrefillConfig | None = None, max_tokens: int = 256, session_settings: dict | None = None) -> int:
-    """Entry point of `kvlocal tui`; returns the exit code (130: interrupted). `session_settings`: the
-    Session's keyword arguments (threads, n_ctx, kv_type, centroid_block, centroid_type)."""
-    app = KvlocalApp(document, session_factory=default_session_factory(model, **(session_settings or {})),
-                     route=route, prefill=prefill, max_tokens=max_tokens, handle_sigint=True)
+def run_app(documents: list[Path] | None = None, model: str | None = None, *, route: RouteConfig | None = None,
+            prefill: PrefillConfig | None = None, max_tokens: int = 256, session_settings: dict | None = None,
+            max_kv: int | None = None) -> int:
+    """Entry point of `kvlocal tui`; returns the exit code (130: interrupted). `documents`: a document,
+    or several (files and folders) opened as one set. `session_settings`: the Session's keyword arguments
+    (threads, n_ctx, kv_type, centroid_block, centroid_type)."""
+    app = KvlocalApp(list(documents or []), session_factory=default_session_factory(model, **(session_settings or {})),
+                     route=route, prefill=prefill, max_tokens=max_tokens, handle_sigint=True, max_kv=max_kv)
     app.run()
     return app.return_code or 0

@@ -45,6 +45,14 @@ class DocumentRead(Message):
         self.n_chars = n_chars
 
 
+class DocumentSkipped(Message):
+    """A file of a set that could not be used (its one-line message); the others are loaded."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+
 class PrefillProgressed(Message):
     def __init__(self, progress: Any) -> None:  # kvlocal.session.PrefillProgress
         super().__init__()
@@ -64,10 +72,11 @@ class LoadedDocument:
     rebuilt_reason: str | None = None
     saved: bool = True  # the prefilled state went to the cache
     prefill: str = "dense"  # how it was prefilled: dense, or routed (PrefillConfig.mode)
+    documents: tuple[str, ...] = ()  # a set's documents (empty: one document, `path`)
 
     @property
     def name(self) -> str:
-        return self.path.name
+        return f"{len(self.documents)} documents" if self.documents else self.path.name
 
 
 class DocumentLoaded(Message):
