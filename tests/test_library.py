@@ -4,12 +4,15 @@ order, reads are attributed to documents, and a model whose memory cannot be com
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.engine
 
 from synth_gguf import write_tiny_olmo2_swa  # noqa: E402
+from test_library_upstream import _Ctx  # noqa: E402
 
 from kvlocal import kvstate  # noqa: E402
 from kvlocal.engine import llama_cpp  # noqa: E402
@@ -67,23 +70,14 @@ def test_a_set_of_one_is_the_single_document_path(cache_dir, tiny_model, lib):
     assert lib.span_text(span.start, span.end) == A.text
 
 
-class _Ref:
+class _Ref(_Ctx):
     """A fresh reference: the head in seq 0, each body prefilled fresh in a sequence of its own at the
     positions given (after the head moved there with it), all shared with seq 0; then the middle and
     the question decode in seq 0."""
 
     def __init__(self, lib: Library, positions: list[int], bodies: list[list[int]], head: list[int]) -> None:
         m = llama_cpp()
-        params = m.llama_context_default_params()
-        params.n_ctx = 4096
-        params.n_batch = params.n_ubatch = 512
-        params.n_threads = params.n_threads_batch = 2
-        params.n_seq_max = 1 + len(bodies)
-        params.kv_unified = True
-        params.flash_attn_type = m.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        self.ctx = m.llama_init_from_model(lib.llm.model, params)
-        self.mem = m.llama_get_memory(self.ctx)
-        self.n_vocab = lib.llm.n_vocab()
+        super().__init__(SimpleNamespace(model=lib.llm.model, n_vocab=lib.llm.n_vocab()), 1 + len(bodies), 4096)
         self.decode(head, 0, 0)
         for s, (pos, body) in enumerate(zip(positions, bodies), start=1):
             # the body after a copy of the head moved with it (what the body's K/V saw when it was
@@ -95,23 +89,6 @@ class _Ref:
             m.llama_memory_seq_rm(self.mem, s, shift, pos)
         for s in range(1, len(bodies) + 1):
             m.llama_memory_seq_cp(self.mem, s, 0, -1, -1)
-
-    def decode(self, tokens: list[int], pos0: int, seq: int) -> np.ndarray:
-        m = llama_cpp()
-        batch = m.llama_batch_init(len(tokens), 0, 1)
-        try:
-            batch.n_tokens = len(tokens)
-            for i, tok in enumerate(tokens):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos0 + i, 1
-                batch.seq_id[i][0] = seq
-                batch.logits[i] = i == len(tokens) - 1
-            assert m.llama_decode(self.ctx, batch) == 0
-        finally:
-            m.llama_batch_free(batch)
-        return np.ctypeslib.as_array(m.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).copy()
-
-    def close(self) -> None:
-        llama_cpp().llama_free(self.ctx)
 
 
 def _reference(lib: Library, layout: str) -> np.ndarray:

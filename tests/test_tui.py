@@ -518,7 +518,7 @@ async def test_tiny_model_opens_a_set_and_names_the_documents_its_sources_lie_in
     app = KvlocalApp([folder], session_factory=lambda progress: Library(str(tiny_model), threads=2,
                                                                         model_progress=progress), max_tokens=8)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.document is not None or (app.busy is None and len(notices(app)) > 2))
+        await wait_for(pilot, lambda: app.document is not None or (app.busy is None and len(notices(app)) > 2), 120)
         assert app.document is not None, notices(app)
         assert [Path(d).name for d in app.document.documents] == ["a.txt", "b.txt"]
         assert app.document.name == "2 documents" and app.document.n_tokens == app.session.prefix_cells

@@ -74,6 +74,13 @@ def default_session_factory(model: str | None, threads: int | None = None, **set
     return factory
 
 
+def _load_failed(path: Path, err: Exception) -> DocumentFailed:
+    """The message for a load that failed: cancelled, a kvlocal error in its words, or anything else by its type."""
+    if isinstance(err, CancelledError):
+        return DocumentFailed(path, str(err), cancelled=True)
+    return DocumentFailed(path, str(err) if isinstance(err, KvlocalError) else f"{type(err).__name__}: {err}")
+
+
 def _one_line(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
@@ -272,14 +279,8 @@ class KvlocalApp(App[None]):
                 cancel=cancel,
                 prefill=self.prefill,
             )
-        except CancelledError as err:
-            self.post_message(DocumentFailed(path, str(err), cancelled=True))
-            return
-        except KvlocalError as err:
-            self.post_message(DocumentFailed(path, str(err)))
-            return
-        except Exception as err:  # noqa: BLE001
-            self.post_message(DocumentFailed(path, f"{type(err).__name__}: {err}"))
+        except Exception as err:  # noqa: BLE001 - anything unexpected is shown, not raised
+            self.post_message(_load_failed(path, err))
             return
         loaded = LoadedDocument(
             path=path,
@@ -330,14 +331,8 @@ class KvlocalApp(App[None]):
                                        centroid_type=session.centroid_type), limit)
             result = session.load_set(docs.documents, progress=lambda p: self.post_message(PrefillProgressed(p)),
                                       cancel=cancel, prefill=self.prefill)
-        except CancelledError as err:
-            self.post_message(DocumentFailed(first, str(err), cancelled=True))
-            return
-        except KvlocalError as err:
-            self.post_message(DocumentFailed(first, str(err)))
-            return
-        except Exception as err:  # noqa: BLE001
-            self.post_message(DocumentFailed(first, f"{type(err).__name__}: {err}"))
+        except Exception as err:  # noqa: BLE001 - anything unexpected is shown, not raised
+            self.post_message(_load_failed(first, err))
             return
         loaded = LoadedDocument(
             path=Path(docs.documents[0].source),
