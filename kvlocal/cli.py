@@ -5,42 +5,47 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from kvlocal import __version__
+from kvlocal.cli_options import (
+    CtxOpt,
+    KvTypeOpt,
+    LengthsOpt,
+    MaxTokensOpt,
+    ModelOpt,
+    NoCacheOpt,
+    PREFILL,
+    OutOpt,
+    PrefillOpt,
+    PrefillOptions,
+    RegionOpt,
+    RouteOpt,
+    RouteOptions,
+    SeedOpt,
+    SinksOpt,
+    TemperatureOpt,
+    ThreadsOpt,
+    WindowOpt,
+    option_groups,
+)
 from kvlocal.errors import KvlocalError
 from kvlocal.route_settings import (
-    CENTROID_BLOCKS,
-    DEFAULT_CENTROID_BLOCK as CENTROID_BLOCK,
-    DEFAULT_CENTROID_TYPE as CENTROID_TYPE,
-    DEFAULT_PIN as PIN,
-    DEFAULT_ESTIMATE as ESTIMATE,
-    DEFAULT_KEEP as KEEP,
-    DEFAULT_PREFILL as PREFILL,
-    DEFAULT_PREFILL_ESTIMATE as PREFILL_ESTIMATE,
+    DEFAULT_CENTROID_BLOCK,
+    DEFAULT_CENTROID_TYPE,
+    DEFAULT_MODE,
+    DEFAULT_PREFILL,
     DEFAULT_PREFILL_FROM as PREFILL_FROM,
-    DEFAULT_PREFILL_TOP_K as PREFILL_TOP_K,
-    DEFAULT_PREFILL_UBATCH as PREFILL_UBATCH,
-    DEFAULT_QUESTION as QUESTION,
-    DEFAULT_QUESTION_TOP_K as QUESTION_TOP_K,
     DEFAULT_REGION as REGION,
-    DEFAULT_SHORTLIST as SHORTLIST,
     DEFAULT_SINKS as SINKS,
-    DEFAULT_TOP_K as TOP_K,
     DEFAULT_WINDOW as WINDOW,
     MAX_ANSWER_TOKENS,
     MAX_CTX,
-    MAX_REGION,
-    MAX_SEED,
-    MAX_SHORTLIST,
-    MAX_SINKS,
     MAX_TOP_K,
-    MAX_WINDOW,
-    MIN_CTX,
-    SHORTLIST_AUTO,
 )
 
 app = typer.Typer(
@@ -84,96 +89,6 @@ def handles_errors(fn):
     return wrapper
 
 
-# -- shared options -------------------------------------------------------------------------
-
-ModelOpt = Annotated[
-    Optional[str], typer.Option("--model", "-m", help="Model alias (see `kvlocal models`) or path to a GGUF file.")
-]
-CtxOpt = Annotated[
-    Optional[int], typer.Option("--ctx", min=MIN_CTX, max=MAX_CTX,
-                                help="Context size in tokens (default: fit the document; max: the model's).")
-]
-# = kvlocal.session.MAX_THREADS (not imported, as CENTROID_BLOCK below)
-MAX_THREADS = 256
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads (default: all cores).")]
-KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")]
-RouteOpt = Annotated[
-    str, typer.Option("--route", help="geometric (routed), full (dense), window or random (controls).")
-]
-# Every number is bounded here (a usage error, exit 2, before any work) by route_settings' limits,
-# which RouteConfig enforces too: past them a value would wrap silently in the engine's 32-bit ints.
-TopKOpt = Annotated[int, typer.Option("--top-k", min=0, max=MAX_TOP_K, help="Regions routed per layer and KV head.")]
-RegionOpt = Annotated[int, typer.Option("--region", min=1, max=MAX_REGION, help="Tokens per region (16, 32, 64, 128 or 256).")]
-WindowOpt = Annotated[int, typer.Option("--window", min=0, max=MAX_WINDOW, help="Recent tokens always read (rounded up to regions).")]
-SinksOpt = Annotated[int, typer.Option("--sinks", min=0, max=MAX_SINKS, help="First tokens always read (rounded up to regions).")]
-CentroidBlockOpt = Annotated[int, typer.Option(
-    "--centroid-block", min=0, max=max(CENTROID_BLOCKS),
-    help="Tokens per key centroid (4-256); a region is scored from region/block centroids, "
-    "so a larger block reads fewer centroid bytes. 0 keeps no centroids: every step is dense.")]
-CentroidTypeOpt = Annotated[str, typer.Option(
-    "--centroid-type", help="Type the key centroids are kept in: f16, or q8_0 (about half the centroid bytes a "
-    "routed step scans).")]
-
-
-def _shortlist_value(text: str) -> int:
-    """--shortlist: a number of regions, or auto (SHORTLIST_AUTO)."""
-    if isinstance(text, int):  # the default
-        return text
-    if text.strip().lower() == "auto":
-        return SHORTLIST_AUTO
-    try:
-        value = int(text)
-    except ValueError:
-        raise typer.BadParameter(f"{text!r} is neither a number of regions nor auto") from None
-    if not 0 <= value <= MAX_SHORTLIST:
-        raise typer.BadParameter(f"{value} is not between 0 and {MAX_SHORTLIST:,}")
-    return value
-
-
-ShortlistOpt = Annotated[int, typer.Option(
-    "--shortlist", parser=_shortlist_value, metavar="N|auto",
-    show_default="auto" if SHORTLIST == SHORTLIST_AUTO else str(SHORTLIST),
-    help="Two-level scoring: one coarse centroid per 64 tokens shortlists this many regions, "
-    "and only their fine centroids (--centroid-block) are scanned to choose --top-k of them; 0 scans every fine "
-    "centroid; auto shortlists an eighth of the document's regions, rounded up to 16. Needs a centroid block under 64.")]
-KeepOpt = Annotated[float, typer.Option(
-    "--keep", min=0.0, max=0.999, help="Selection memory over the steps of one answer: a region keeps this share of "
-    "what it scored on the step before, so a region the question found stays read while the answer is copied from "
-    "it. 0 selects afresh at every step.")]
-EstimateOpt = Annotated[bool, typer.Option(
-    "--estimate/--no-estimate", help="Regions a step does not read still join its attention, each as its mean key and "
-    "mean value weighted by its token count, so the softmax keeps the mass routing would drop (reads one mean value "
-    "per region). Needs 64-token regions and a centroid block under 64.")]
-QuestionOpt = Annotated[str, typer.Option(
-    "--question-pass", help="How the question's tokens read the document: routed (one batch whose queries choose "
-    "--question-top-k regions together, read once), dense (one batch that reads the whole cache once) or steps "
-    "(token by token through the route, like the answer).")]
-QuestionTopKOpt = Annotated[int, typer.Option(
-    "--question-top-k", min=0, max=MAX_TOP_K, help="Regions per layer and KV head that a routed question reads.")]
-PinOpt = Annotated[int, typer.Option(
-    "--pin", min=0, max=MAX_TOP_K, help="Regions the dense question pass pins for the answer: the ones its "
-    "last queries attend to most, read at every answer step (of --top-k; needs --keep above 0).")]
-SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=MAX_SEED, help="Seed for random routing and sampling.")]
-PrefillOpt = Annotated[str, typer.Option(
-    "--prefill", help="How the document is prefilled: dense (every 512-token ubatch reads every earlier token) or "
-    "routed (from --prefill-from tokens on, a ubatch reads the first 64 tokens, the 128 before it, itself and the "
-    "--prefill-top-k regions its queries choose from the centroids: a 32k document loads about 2x faster; "
-    "its saved state is kept apart).")]
-PrefillTopKOpt = Annotated[int, typer.Option(
-    "--prefill-top-k", min=1, max=MAX_TOP_K, help="Regions of 64 tokens per layer and KV head that a routed prefill's "
-    "ubatch reads. Fewer load faster (16: a 32k document over 3x faster than dense) but lose facts that look "
-    "alike; about a quarter of the document's regions keeps them.")]
-PrefillUbatchOpt = Annotated[int, typer.Option(
-    "--prefill-ubatch", min=1, max=MAX_CTX, help="Tokens per routed ubatch (at most 512): the queries of one "
-    "ubatch choose one set of regions, so a smaller ubatch chooses for fewer tokens at a time.")]
-PrefillEstimateOpt = Annotated[bool, typer.Option(
-    "--prefill-estimate/--no-prefill-estimate", help="The regions a routed prefill's ubatch does not read still join "
-    "its attention, each as its mean key and mean value weighted by its token count (as --estimate does for decoding).")]
-PrefillFromOpt = Annotated[int, typer.Option(
-    "--prefill-from", min=0, max=MAX_CTX, help="Tokens of the document prefilled densely before a routed prefill "
-    "starts routing.")]
-
-
 def _text_arg(text: str) -> str:
     """A free-text argument as valid Unicode: bytes that are not UTF-8 (a Latin-1 terminal's é reaches
     argv as a lone surrogate, surrogateescape) become U+FFFD, so they cannot fail later in the
@@ -182,25 +97,6 @@ def _text_arg(text: str) -> str:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     except UnicodeEncodeError:  # a surrogate that surrogateescape did not make
         return text.encode("utf-8", "replace").decode("utf-8")
-
-
-def _route(route: str, top_k: int, region: int, window: int, sinks: int, seed: int, centroid_block: int = 0,
-           shortlist: int = SHORTLIST, keep: float = KEEP, estimate: bool = ESTIMATE, question: str = QUESTION,
-           question_top_k: int = QUESTION_TOP_K, pin: int = PIN):
-    from kvlocal.routing import RouteConfig, check_region_block
-
-    config = RouteConfig(mode=route, region=region, top_k=top_k, window=window, sinks=sinks, seed=seed,
-                         shortlist=shortlist, keep=keep, estimate=estimate, question=question,
-                         question_top_k=question_top_k, pin=pin)
-    check_region_block(region, centroid_block)
-    return config
-
-
-def _prefill(prefill: str, top_k: int = PREFILL_TOP_K, start: int = PREFILL_FROM, ubatch: int = PREFILL_UBATCH,
-             estimate: bool = PREFILL_ESTIMATE):
-    from kvlocal.routing import PrefillConfig
-
-    return PrefillConfig(mode=prefill, top_k=top_k, start=start, ubatch=ubatch, estimate=estimate)
 
 
 def _check_out_file(path: Path) -> None:
@@ -222,14 +118,8 @@ def _check_lengths_fit(session, lengths: list[int]) -> None:
                          f"{session.trained_ctx}")
 
 
-def _centroid_type(value: str) -> None:
-    """--centroid-type: a usage error (exit 2) before any work unless the engine keeps centroids so."""
-    from kvlocal.routing import check_centroid_type
-
-    check_centroid_type(value)
-
-
-def _open_session(model, ctx, threads, kv_type, centroid_block=CENTROID_BLOCK, centroid_type=CENTROID_TYPE):
+def _open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_BLOCK,
+                  centroid_type=DEFAULT_CENTROID_TYPE):
     from kvlocal.progress import StatusLine, download_text
     from kvlocal.session import Session
 
@@ -276,48 +166,33 @@ def _stream_answer(session, question: str, **kwargs) -> str:
 
 @app.command()
 @handles_errors
+@option_groups
 def ask(
     document: Annotated[str, typer.Argument(help="PDF, .txt, .md, .html or .epub file, or - for stdin.")],
     question: Annotated[str, typer.Argument(help="The question to answer from the document.")],
     model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = 256,
+    route: RouteOpt = DEFAULT_MODE,
+    no_cache: NoCacheOpt = False,
     ctx: CtxOpt = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens.")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     threads: ThreadsOpt = None,
     kv_type: KvTypeOpt = "f16",
-    route: RouteOpt = "geometric",
-    top_k: TopKOpt = TOP_K,
-    region: RegionOpt = REGION,
-    window: WindowOpt = WINDOW,
-    sinks: SinksOpt = SINKS,
+    temperature: TemperatureOpt = 0.0,
+    routing: RouteOptions = RouteOptions(),
     seed: SeedOpt = 0,
-    centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
-    centroid_type: CentroidTypeOpt = CENTROID_TYPE,
-    shortlist: ShortlistOpt = SHORTLIST,
-    keep: KeepOpt = KEEP,
-    estimate: EstimateOpt = ESTIMATE,
-    question_pass: QuestionOpt = QUESTION,
-    question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
-    pin: PinOpt = PIN,
-    prefill: PrefillOpt = PREFILL,
-    prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
-    prefill_from: PrefillFromOpt = PREFILL_FROM,
-    prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
-    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the KV state.")] = False,
+    prefill: PrefillOpt = DEFAULT_PREFILL,
+    prefilling: PrefillOptions = PrefillOptions(),
 ) -> None:
     """Answer QUESTION from DOCUMENT; the answer streams to stdout, progress and KV reads to stderr."""
     from kvlocal.ingest import load_document
     from kvlocal.session import check_ask_settings
 
-    route_cfg = _route(route, top_k, region, window, sinks, seed, centroid_block, shortlist, keep, estimate, question_pass,
-                       question_top_k, pin)
-    _centroid_type(centroid_type)
-    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
+    route_cfg = routing.config(route, seed)
+    prefill_cfg = prefilling.config(prefill)
     question = _text_arg(question)  # the document stays as given: a path
     check_ask_settings(question, max_tokens, temperature, seed)
     doc = load_document(document)
-    session = _open_session(model, ctx, threads, kv_type, centroid_block, centroid_type)
+    session = _open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type)
     _load(session, doc.text, doc.source, not no_cache, prefill_cfg)
     _stream_answer(session, question, route=route_cfg, max_tokens=max_tokens, temperature=temperature, seed=seed)
 
@@ -327,13 +202,13 @@ def ask(
 def demo(
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
-    route: RouteOpt = "geometric",
+    route: RouteOpt = DEFAULT_MODE,
 ) -> None:
     """Ask the built-in sample document its built-in question (the README's first command)."""
     from kvlocal import paths
     from kvlocal.sample import SAMPLE_QUESTION, write_sample
 
-    route_cfg = _route(route, TOP_K, REGION, WINDOW, SINKS, 0)
+    route_cfg = RouteOptions().config(route)
     path = write_sample(paths.cache_root() / "sample" / "halvard-ridge-report.txt")
     err(f"kvlocal: sample document {path}")
     err(f"kvlocal: question: {SAMPLE_QUESTION}")
@@ -414,22 +289,30 @@ def cache_clear() -> None:
 
 @app.command()
 @handles_errors
+@option_groups
 def tui(
     document: Annotated[Optional[Path], typer.Argument(help="Document to open (or pick one in the app).")] = None,
     model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = 256,
+    route: RouteOpt = DEFAULT_MODE,
+    ctx: CtxOpt = None,
     threads: ThreadsOpt = None,
-    prefill: PrefillOpt = PREFILL,
-    prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
-    prefill_from: PrefillFromOpt = PREFILL_FROM,
-    prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
-    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
+    kv_type: KvTypeOpt = "f16",
+    routing: RouteOptions = RouteOptions(),
+    seed: SeedOpt = 0,
+    prefill: PrefillOpt = DEFAULT_PREFILL,
+    prefilling: PrefillOptions = PrefillOptions(),
 ) -> None:
     """The interactive app: load, ask, and watch which KV regions each step reads."""
-    prefill_cfg = _prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
+    route_cfg = routing.config(route, seed)
+    prefill_cfg = prefilling.config(prefill)
     _check_terminal()  # before textual is imported
     from kvlocal.tui.app import run_app
 
-    code = run_app(document=document, model=model, threads=threads, prefill=prefill_cfg)
+    session_settings = {"n_ctx": ctx, "threads": threads, "kv_type": kv_type,
+                        "centroid_block": routing.centroid_block, "centroid_type": routing.centroid_type}
+    code = run_app(document=document, model=model, route=route_cfg, prefill=prefill_cfg, max_tokens=max_tokens,
+                   session_settings=session_settings)
     if code:  # 130: interrupted (SIGINT or ctrl+c)
         if code == 130:
             err("kvlocal: interrupted")
@@ -495,37 +378,24 @@ def _lengths(text: str) -> list[int]:
 
 @app.command("eval")
 @handles_errors
+@option_groups
 def eval_(
     quick: Annotated[bool, typer.Option("--quick", help="2k, two depths, passkey, top-4 (in place of --lengths, --depths, --tasks, --top-k): a few minutes; checks the ordering.")] = False,
-    lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4k,8k,16k,32k.")] = "4k,8k,16k,32k",
+    lengths: LengthsOpt = "4k,8k,16k,32k",
     depths: Annotated[int, typer.Option("--depths", min=2, max=MAX_DEPTHS, help="Needle depths from 0% to 100%.")] = 11,
     tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,lookalike,multivalue,multiquery,vartrack,cwe")] = "passkey",
     modes: Annotated[str, typer.Option("--modes", help="Routing modes to compare.")] = "full,geometric,window,random",
     sweep: Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")] = "",
     seeds: Annotated[str, typer.Option("--seeds", help="Haystack seeds.")] = "0",
     haystack: Annotated[Optional[Path], typer.Option("--haystack", help="Plant the needles into this document instead of generated prose.")] = None,
-    out: Annotated[Path, typer.Option("--out", help="Folder for results.jsonl, summary.json and plots.")] = Path("kvlocal-eval"),
+    out: OutOpt = Path("kvlocal-eval"),
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots (needs matplotlib).")] = True,
     model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = None,
     threads: ThreadsOpt = None,
-    top_k: TopKOpt = TOP_K,
-    region: RegionOpt = REGION,
-    window: WindowOpt = WINDOW,
-    sinks: SinksOpt = SINKS,
-    centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
-    centroid_type: CentroidTypeOpt = CENTROID_TYPE,
-    shortlist: ShortlistOpt = SHORTLIST,
-    keep: KeepOpt = KEEP,
-    estimate: EstimateOpt = ESTIMATE,
-    question_pass: QuestionOpt = QUESTION,
-    question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
-    pin: PinOpt = PIN,
-    prefill: PrefillOpt = PREFILL,
-    prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
-    prefill_from: PrefillFromOpt = PREFILL_FROM,
-    prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
-    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens per probe (default: by task).")] = None,
+    routing: RouteOptions = RouteOptions(),
+    prefill: PrefillOpt = DEFAULT_PREFILL,
+    prefilling: PrefillOptions = PrefillOptions(),
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
 
@@ -541,20 +411,18 @@ def eval_(
         # a 2k context holds about 18 regions: with 4 routed ones geometric matches dense there and
         # the controls at the same budget miss needles outside the window (at 4k, top-4 does not
         # match dense yet: see BENCHMARKS.md)
-        lengths, depths, tasks, top_k = "2k", 2, "passkey", 4
+        lengths, depths, tasks = "2k", 2, "passkey"
+        routing = replace(routing, top_k=4)
     n = max(depths, 2)
+    mode_list = [m.strip() for m in modes.split(",")]
+    for mode in mode_list:
+        routing.config(mode)  # every mode checked with these settings before any work
     config = GridConfig(
         lengths=_lengths(lengths), depths=[round(i / (n - 1), 3) for i in range(n)] if not quick else [0.25, 0.5],
-        tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=[m.strip() for m in modes.split(",")],
-        seeds=_ints(seeds), top_k=top_k, region=region, window=window, sinks=sinks,
-        sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K),
-        shortlist=shortlist, keep=keep, estimate=estimate, question=question_pass, question_top_k=question_top_k,
-        pin=pin, max_tokens=max_tokens, prefill=_prefill(prefill, prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate),
+        tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=mode_list, seeds=_ints(seeds),
+        route=routing.config(DEFAULT_MODE),  # each mode's route: these settings in that mode
+        sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K), max_tokens=max_tokens, prefill=prefilling.config(prefill),
     )
-    for mode in config.modes:
-        _route(mode, top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate, question_pass,
-               question_top_k, pin)  # validates
-    _centroid_type(centroid_type)
     unknown = [t for t in config.tasks if t not in TASKS]
     if unknown or not config.tasks:
         raise UsageError(f"--tasks: {', '.join(unknown) or 'none given'}; choose from {', '.join(TASKS)}")
@@ -566,7 +434,7 @@ def eval_(
         if (out / name).is_dir():
             raise UsageError(f"--out {out}: {name} there is a folder")
     filler = load_document(haystack).text if haystack else None
-    session = _open_session(model, None, threads, "f16", centroid_block, centroid_type)
+    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
     _check_lengths_fit(session, config.lengths)
     rows = run_grid(session, config, out / "results.jsonl", filler=filler,
                     haystack_name=str(haystack or ""), log=lambda line: err(f"kvlocal: {line}"))
@@ -622,7 +490,7 @@ def _lab_prefill(out: Path, lengths: list[int], tasks: list[str], seeds: list[in
     import json
 
     from kvlocal.atomic import write_text_atomic
-    from kvlocal.evals import lab_prefill
+    from kvlocal.lab import prefill as lab_prefill
 
     totals: dict = {}
     captures = _lab_captures(
@@ -672,11 +540,11 @@ def lab(
 
     from kvlocal.atomic import write_text_atomic
     from kvlocal.errors import UsageError
-    from kvlocal.evals import lab as lab_mod
-    from kvlocal.evals.lab_rules import RULES, Geometry
-    from kvlocal.evals.lab_prefill import PREFILL_RULES
     from kvlocal.evals.runner import task_answer_tokens
     from kvlocal.evals.tasks import TASKS
+    from kvlocal.lab import decode as lab_mod
+    from kvlocal.lab.prefill import PREFILL_RULES
+    from kvlocal.lab.rules import RULES, Geometry
 
 
     table = PREFILL_RULES if prefill else RULES  # the rules this run chooses from
@@ -692,7 +560,8 @@ def lab(
         raise UsageError("--budgets: give positive region counts, e.g. 4,8")
     _bounded("--budgets", ks, 1, MAX_TOP_K)
     _lengths(lengths)  # before the output folder is made
-    _route("geometric", max(ks), region, window, sinks, 0)  # validates the region geometry as the engine would
+    # the region geometry checked as the engine would (the lab keeps no centroid block)
+    RouteOptions(top_k=max(ks), region=region, window=window, sinks=sinks, centroid_block=0).config("geometric")
     geo = Geometry(region=region, sinks=sinks, window=window)
     depth_list = [round(i / (depths - 1), 3) for i in range(depths)]  # as `kvlocal eval` plants them
     if prefill:
@@ -731,29 +600,17 @@ def lab(
 
 @app.command()
 @handles_errors
+@option_groups
 def bench(
-    lengths: Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k.")] = "8k,16k,32k",
+    lengths: LengthsOpt = "8k,16k,32k",
     tokens: Annotated[int, typer.Option("--tokens", min=1, max=MAX_ANSWER_TOKENS, help="Answer tokens timed per run.")] = 48,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
-    top_k: TopKOpt = TOP_K,
-    region: RegionOpt = REGION,
-    window: WindowOpt = WINDOW,
-    sinks: SinksOpt = SINKS,
-    centroid_block: CentroidBlockOpt = CENTROID_BLOCK,
-    centroid_type: CentroidTypeOpt = CENTROID_TYPE,
-    shortlist: ShortlistOpt = SHORTLIST,
-    keep: KeepOpt = KEEP,
-    estimate: EstimateOpt = ESTIMATE,
-    question_pass: QuestionOpt = QUESTION,
-    question_top_k: QuestionTopKOpt = QUESTION_TOP_K,
+    out: OutOpt = None,
+    routing: RouteOptions = RouteOptions(),
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
-    prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", help="Context lengths whose haystack is prefilled twice, dense then routed (--prefill-top-k, --prefill-from), neither from the cache; 'none' skips this (a 32k dense prefill takes about half an hour on 2 cores).")] = "8k,16k,32k",
-    prefill_top_k: PrefillTopKOpt = PREFILL_TOP_K,
-    prefill_from: PrefillFromOpt = PREFILL_FROM,
-    prefill_ubatch: PrefillUbatchOpt = PREFILL_UBATCH,
-    prefill_estimate: PrefillEstimateOpt = PREFILL_ESTIMATE,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Write the results as JSON here.")] = None,
+    prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", rich_help_panel=PREFILL, help="Context lengths whose haystack is prefilled twice, dense then routed (--prefill-top-k, --prefill-from), neither from the cache; 'none' skips this (a 32k dense prefill takes about half an hour on 2 cores).")] = "8k,16k,32k",
+    prefilling: PrefillOptions = PrefillOptions(),
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
     import json
@@ -763,15 +620,13 @@ def bench(
     from kvlocal.evals.runner import make_case
     from kvlocal.units import human_bytes
 
-    route = _route("geometric", top_k, region, window, sinks, 0, centroid_block, shortlist, keep, estimate,
-                   question_pass, question_top_k)
-    _centroid_type(centroid_type)
+    route = routing.config("geometric")
     context_lengths = _lengths(lengths)
     prefill_context = [] if prefill_lengths.strip().lower() == "none" else _lengths(prefill_lengths)
-    prefill_cfg = _prefill("routed", prefill_top_k, prefill_from, prefill_ubatch, prefill_estimate)
+    prefill_cfg = prefilling.config("routed")
     if out:
         _check_out_file(out)
-    session = _open_session(model, None, threads, "f16", centroid_block, centroid_type)
+    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
     _check_lengths_fit(session, context_lengths + prefill_context)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log)
@@ -793,7 +648,7 @@ def bench(
     }
     session.close()
     if upkeep:
-        report["centroid_upkeep"] = b.centroid_upkeep_share(model, small.text, threads, centroid_block)
+        report["centroid_upkeep"] = b.centroid_upkeep_share(model, small.text, threads, routing.centroid_block)
     print(f"model {report['model']}, {report['threads']} threads, route {report['route']}")
     print("| context | KV bytes | full tok/s | geometric tok/s | speedup | KV bytes read, reduction |")
     print("|---:|---:|---:|---:|---:|---:|")

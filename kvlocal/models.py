@@ -23,22 +23,8 @@ from typing import Any
 from kvlocal.atomic import write_text_atomic
 from kvlocal.errors import UsageError
 from kvlocal.gguf_header import GGUFInfo, check_text_model, validate_gguf
-from kvlocal.model_assembly import CHUNK, Progress, assemble
+from kvlocal.model_assembly import CHUNK, ModelSpec, Progress, assemble
 from kvlocal.paths import cache_root, models_dir, user_state_root
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    alias: str
-    description: str
-    packages: tuple[str, ...]  # registry names, in concatenation order
-    version: str
-    size: int
-    sha256: str
-
-    def member_suffix(self, index: int) -> str:
-        """The wheel member holding slice `index` (0-based): data/part01.bin, ..."""
-        return f"data/part{index + 1:02d}.bin"
 
 
 def _parts(prefix: str, count: int) -> tuple[str, ...]:
@@ -67,7 +53,7 @@ ALIASES: dict[str, ModelSpec] = {
     )
 }
 # the 1.5B: on the passkey grid it keeps dense accuracy under routing at 16k where the 0.5B does
-# not, for about 10 % more prefill time (BENCHMARKS.md, "Which model is the default")
+# not, for about 10 % more prefill time (BENCHMARKS.md, "The model: 1.5B, not 0.5B")
 DEFAULT_ALIAS = "qwen2.5-coder-1.5b"
 
 

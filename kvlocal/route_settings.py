@@ -13,39 +13,38 @@ import math
 MODES = ("full", "geometric", "window", "random")
 DEFAULT_MODE = "geometric"
 
-# regions routed per layer and KV head. 4: top-2 lost 2 of 16 look-alike facts at 16k (no estimate)
-# and 4 of 24 at 32k (with it); top-8 answered no more than top-4 (32k look-alike facts, n=24: 25 %
-# both, shortlist 32 with the estimate) (BENCHMARKS.md, "Session 2026-12-01 (3)")
+# regions routed per layer and KV head. 4: top-2 lost look-alike facts at 16k and 32k, and top-8
+# found no more than top-4 (BENCHMARKS.md, "The default route against full attention and the
+# controls")
 DEFAULT_TOP_K = 4
 DEFAULT_REGION = 64  # tokens per region (the unit gathered)
 DEFAULT_WINDOW = 128  # recent tokens always read (rounded up to regions)
 DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
 
 # The KV cache keeps one mean key per block of this many cells (per layer and KV head); a region's
-# score is its best block. Fixed when a context is created (llama_context_params.kv_centroid_block,
-# patch 0003). 8 (was 4) with the automatic shortlist below: half the fine centroid bytes; look-alike
-# facts 83 % (8k, n=24; 4-token: 88 %), 69 % (16k, n=16, as 4-token), 25 % (32k, n=24); the 32k passkey
-# grid 67 % with 4- or 8-token centroids at a shortlist of 64 (BENCHMARKS.md, "Session 2026-12-01 (4)").
+# score is its best block. Fixed when a context is created (llama_context_params.kv_centroid_block).
+# 8 with the automatic shortlist below: half the fine centroid bytes of 4-token blocks, for one
+# look-alike fact fewer of 24 at 8k (83 % vs 88 %) and as many at 16k (BENCHMARKS.md, "The default
+# route against full attention and the controls").
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 8
 
-# The type the centroids are kept in (llama_context_params.kv_centroid_type, patch 0003): f16, or
-# q8_0 at 34 bytes per 32 values instead of 64, so a routed step's centroid scan costs about half.
-# f16 by default: q8_0 at the same shortlist found the same 32k needles and look-alike facts (18 of
-# 27, 6 of 24) at 43x fewer KV bytes instead of 33x, but one fact fewer at 16k and at 8k (17 and 19
-# of 24, near-copies); a doubled shortlist within f16's bytes was a wash (61 vs 62 of 99), so no
-# evidence yet that it answers as well (BENCHMARKS.md, "Session 2026-12-01 (6)").
+# The type the centroids are kept in (llama_context_params.kv_centroid_type): f16, or q8_0 at 34
+# bytes per 32 values instead of 64, so a routed step's centroid scan costs about half. f16 by
+# default: q8_0 at the same shortlist found the same 32k needles and look-alike facts (18 of 27,
+# 6 of 24) at 43x fewer KV bytes per answer step instead of 33x, but one fact fewer at 16k and at
+# 8k (near-copies), so it is not shown to answer as well (BENCHMARKS.md, "Q8_0 centroids").
 CENTROID_TYPES = ("f16", "q8_0")
 DEFAULT_CENTROID_TYPE = "f16"
 
-# Two-level scoring (patch 0007): with a centroid block finer than 64 cells (the engine's
+# Two-level scoring: with a centroid block finer than 64 cells (the engine's
 # LLAMA_KV_CENT_COARSE_BLK) the cache also keeps one coarse centroid per 64 cells (the mean of its
 # fine ones); a step scores the coarse ones, shortlists this many regions and ranks only those by
 # their fine centroids. 0: one pass over every fine centroid. SHORTLIST_AUTO follows the document:
-# an eighth of its regions, rounded up to a multiple of 16 (16 at 8k, 32 at 16k, 64 at 32k). The
-# default since the 32k passkey grid lost its needles in the coarse pass with a fixed 16: 3 haystacks,
-# 27 needles outside the window, full 74 % [55-87], shortlist 16 37 % [22-56], auto (64) with 8-token
-# centroids 67 % [48-81] (BENCHMARKS.md, "Session 2026-12-01 (4)").
+# an eighth of its regions, rounded up to a multiple of 16 (16 at 8k, 32 at 16k, 64 at 32k): a
+# fixed shortlist of 16 lost the 32k passkey grid's needles in the coarse pass, and the lab reads
+# the needle's region more often the longer the shortlist (BENCHMARKS.md, "The lab's tables that
+# chose the defaults").
 SHORTLIST_AUTO = -1
 SHORTLIST_SHARE = 8
 SHORTLIST_STEP = 16
@@ -57,58 +56,50 @@ def auto_shortlist(n_regions: int) -> int:
     return SHORTLIST_STEP * max(1, math.ceil(n_regions / (SHORTLIST_SHARE * SHORTLIST_STEP)))
 
 
-# Selection memory (patch 0007): a step's region scores become a softmax and a region keeps
-# max(its share now, KEEP x what it had the step before). 0 selects afresh at every step.
+# Selection memory: a step's region scores become a softmax and a region keeps max(its share now,
+# KEEP x what it had the step before). 0 selects afresh at every step.
 DEFAULT_KEEP = 0.9
 
-# The estimate of the unread regions (patch 0007): every region a step does not read joins its
-# attention as its mean key and mean value, weighted by its cell count, so the softmax keeps the
-# mass routing would drop. Needs 64-token regions and a centroid block under 64. Off by default since
-# the question is read densely: top-4 / shortlist 16 without it answered as many look-alike facts as
-# full attention at 8k and 16k (88 %, 69 %) and more than with it at 32k (7 vs 5 of 24), and a step
-# skips the mean values of every region (at 32k 6.7 of the 29.2 MiB a step read with it). It had
-# helped while the question's own tokens were routed.
-DEFAULT_ESTIMATE = False
-
-# How the question's tokens read the document (patch 0007): "dense" sends them as one batch that
-# reads the whole cache once; "routed" as one batch whose queries choose QUESTION_TOP_K regions
-# together, read once for the whole question; "steps" decodes them one by one through the route,
-# as the answer is. The answer is always decoded step by step through the route. Dense is the
-# default because the question is where routing lost look-alike facts: at 8k, top-4, 24 facts
-# outside the window, a dense question answered 23 where routed steps answered 12 and a routed
-# question of 32 / 64 regions 12 / 18 (BENCHMARKS.md, "Session 2026-12-01 (2)").
+# How the question's tokens read the document: "dense" sends them as one batch that reads the whole
+# cache once; "routed" as one batch whose queries choose QUESTION_TOP_K regions together, read once
+# for the whole question; "steps" decodes them one by one through the route, as the answer is. The
+# answer is always decoded step by step through the route. Dense is the default because the question
+# is where routing lost look-alike facts: at 8k, top-4, 24 facts outside the window, a dense
+# question answered 23 where routed steps answered 12 and a routed question of 32 or 64 regions 12
+# or 18.
 QUESTION_PASSES = ("dense", "routed", "steps")
 DEFAULT_QUESTION = "dense"
 DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's batch reads
 
-# Pins (llama_kv_route_set_pins, patch 0009): the dense question pass also sums the attention its
-# last queries give each region, and the answer's steps always read the DEFAULT_PIN regions with
-# the most of it (of their top-k; with the selection memory and the dense question only). The lab:
-# 2 pins read the fact's region at 0.93 of the 32k passkey grid's answer steps vs 0.81. End to end
-# (3 haystacks each): passkey 32k 19 of 27 (full 20, none 18), look-alike 32k 7 of 24 (full 7,
-# none 6), 16k 18 of 24 and 8k 20 of 24 (as without); the question reads K once more, so a short
-# answer's total reduction falls from 6.6x to 4.7x at 32k (BENCHMARKS.md, "Session 2026-12-01 (6)").
+# Pins: the dense question pass also sums the attention its last queries give each region, and the
+# answer's steps always read the DEFAULT_PIN regions with the most of it (of their top-k; with the
+# selection memory and the dense question only). The lab: 2 pins read the fact's region at 0.93 of
+# the 32k passkey grid's answer steps vs 0.81. End to end (3 haystacks each): passkey 32k 19 of 27
+# (full 20, none 18), look-alike 32k 7 of 24 (full 7, none 6), 16k 18 of 24 and 8k 20 of 24 (as
+# without); the question reads K once more, so a short answer's total reduction falls from 6.6x to
+# 4.7x at 32k (BENCHMARKS.md, "The default route against full attention and the controls" and "The
+# lab's tables that chose the defaults").
 DEFAULT_PIN = 2
 
-# How a document is prefilled (issue 14): "dense" reads every earlier cell for every ubatch;
-# "routed" lets a ubatch that starts PREFILL_FROM or more tokens into the document read the sinks,
-# the window before it, itself and the PREFILL_TOP_K regions per layer and KV head that its queries
-# choose together (patch 0007's routed ubatch, the decode route's geometry: 64-token regions,
-# 64 sinks, a 128-token window, a shortlist of PREFILL_SHORTLIST_SHARE x top-k, no memory, no
-# estimate). A routed prefill writes other K/V bytes than a dense one, so its saved state is keyed
-# apart. Dense stays the default. The prefill lab (BENCHMARKS.md, session (7)) found a fact token's
-# prefill attention diffuse: the error a routed ubatch hands on is set by the share of the document it
-# reads (no selection rule does much better than the engine's), so look-alike facts need about a
-# quarter to a half of the regions. PREFILL_TOP_K 64 keeps them within one fact of the dense prefill
-# (16k: 71 % [51-85] vs 75 % [55-88] at 1.37x; 32k: 25 % [12-45] vs 29 % [15-49] at about 2x;
-# n=24 each), where top-16 loads 16k 2.0x and 32k 3.2-3.7x faster but loses them (16k: 42 % vs 75 %).
+# How a document is prefilled: "dense" reads every earlier cell for every ubatch; "routed" lets a
+# ubatch that starts PREFILL_FROM or more tokens into the document read the sinks, the window before
+# it, itself and the PREFILL_TOP_K regions per layer and KV head that its queries choose together
+# (the engine's routed ubatch, on the decode route's geometry: 64-token regions, 64 sinks, a
+# 128-token window, a shortlist of PREFILL_SHORTLIST_SHARE x top-k, no memory). A routed prefill
+# writes other K/V bytes than a dense one, so its saved state is keyed apart. Dense stays the
+# default. The prefill lab found a fact token's prefill attention diffuse: the error a routed ubatch
+# hands on is set by the share of the document it reads (no selection rule does much better than
+# the engine's), so look-alike facts need about a quarter to a half of the regions. PREFILL_TOP_K 64
+# keeps them within one fact of the dense prefill (16k: 71 % [51-85] vs 75 % [55-88] at 1.37x; 32k:
+# 25 % [12-45] vs 29 % [15-49] at about 2x; n=24 each), where top-16 loads 16k 2.0x and 32k
+# 3.2-3.7x faster but loses them (16k: 42 % vs 75 %) (BENCHMARKS.md, "Decode and prefill speed" and
+# "The lab's tables that chose the defaults").
 PREFILL_MODES = ("dense", "routed")
 DEFAULT_PREFILL = "dense"
 DEFAULT_PREFILL_TOP_K = 64
 DEFAULT_PREFILL_FROM = 4096
 DEFAULT_PREFILL_UBATCH = 512  # tokens per routed ubatch (at most the context's ubatch): one selection each
 PREFILL_SHORTLIST_SHARE = 4
-DEFAULT_PREFILL_ESTIMATE = False  # the regions a routed ubatch does not read join it as their mean key and value
 
 # -- bounds -----------------------------------------------------------------------------------------
 # The largest values the CLI accepts (typer min/max: a usage error before any work) and RouteConfig
@@ -116,6 +107,7 @@ DEFAULT_PREFILL_ESTIMATE = False  # the regions a routed ubatch does not read jo
 # so a value past them would wrap silently in ctypes.
 MAX_CTX = 1_048_576  # context tokens (--ctx, --lengths); the model's trained context is checked later
 MIN_CTX = 256  # the session's smallest context
+MAX_THREADS = 256  # --threads: llama.cpp's thread pool, far more than any core count we target
 MAX_TOP_K = 65_536  # regions routed per layer and KV head (0: sinks and window only)
 MAX_REGION = 256  # tokens per region: a power of two that divides this
 MAX_WINDOW = MAX_CTX  # recent tokens always read

@@ -1,4 +1,4 @@
-"""Routing settings and per-step KV read statistics, on top of the engine's C API (patch 0005)."""
+"""Routing settings and per-step KV read statistics, on top of the engine's C API."""
 
 from __future__ import annotations
 
@@ -14,12 +14,10 @@ from kvlocal.errors import UsageError
 from kvlocal.route_settings import (
     CENTROID_BLOCKS,
     CENTROID_TYPES,
-    DEFAULT_ESTIMATE,
     DEFAULT_KEEP,
     DEFAULT_MODE,
     DEFAULT_PIN,
     DEFAULT_PREFILL,
-    DEFAULT_PREFILL_ESTIMATE,
     DEFAULT_PREFILL_FROM,
     DEFAULT_PREFILL_TOP_K,
     DEFAULT_PREFILL_UBATCH,
@@ -101,7 +99,6 @@ class RouteConfig:
     seed: int = 0
     shortlist: int = DEFAULT_SHORTLIST  # regions the coarse pass shortlists (0: one level; SHORTLIST_AUTO: by document)
     keep: float = DEFAULT_KEEP  # selection memory: decay per step of a region's remembered share (0: none)
-    estimate: bool = DEFAULT_ESTIMATE  # unread regions join the attention as their mean key and value
     question: str = DEFAULT_QUESTION  # how the question's tokens read the document: routed, dense or steps
     question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions the question's routed batch reads
     pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (0: none)
@@ -170,7 +167,7 @@ class RouteConfig:
         api = route_api()
         rc = api.llama_kv_route_set(
             ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF,
-            shortlist, self.keep, int(self.estimate), batch_top_k,
+            shortlist, self.keep, 0, batch_top_k,  # 0: the engine's estimate of unread regions, retired
         )
         if rc == 0:
             rc = api.llama_kv_route_set_pins(ctx, self.pins)
@@ -190,8 +187,6 @@ class RouteConfig:
             text += f", keep {self.keep:g}"
         if self.pins:
             text += f", {self.pins} pinned by the question"
-        if self.estimate:
-            text += ", unread regions estimated"
         text += "; " + self.describe_question()
         return text
 
@@ -213,7 +208,6 @@ class PrefillConfig:
     top_k: int = DEFAULT_PREFILL_TOP_K
     start: int = DEFAULT_PREFILL_FROM  # document tokens before the first routed ubatch
     ubatch: int = DEFAULT_PREFILL_UBATCH  # tokens per routed ubatch: its queries choose one set of regions
-    estimate: bool = DEFAULT_PREFILL_ESTIMATE  # unread regions join a routed ubatch as their mean key and value
 
     def __post_init__(self) -> None:
         if self.mode not in PREFILL_MODES:
@@ -237,7 +231,7 @@ class PrefillConfig:
         """The route a routed ubatch follows (a one-token last ubatch decodes through it as a step): the
         coarse centroids shortlist PREFILL_SHORTLIST_SHARE x top-k regions, their fine ones choose."""
         shortlist = min(MAX_SHORTLIST, PREFILL_SHORTLIST_SHARE * self.top_k)
-        return RouteConfig(mode="geometric", top_k=self.top_k, shortlist=shortlist, keep=0.0, estimate=self.estimate)
+        return RouteConfig(mode="geometric", top_k=self.top_k, shortlist=shortlist, keep=0.0)
 
     def routes_at(self, pos: int) -> bool:
         """Whether the ubatch whose first token sits at `pos` is routed."""
@@ -269,15 +263,13 @@ class PrefillConfig:
         return (f"routed:top{self.top_k}:from{self.start}:region{r.region}:sinks{r.sinks}:window{r.window}"
                 f":shortlist{r.shortlist}:block{centroid_block}:ubatch{n_batch}"
                 + (f":routed-ubatch{self.ubatch}" if self.ubatch < n_batch else "")
-                + (":estimate" if self.estimate else "")
                 + (f":centroids-{centroid_type}" if centroid_type != "f16" else ""))
 
     def describe(self) -> str:
         if not self.routed:
             return "dense"
         size = f" of {self.ubatch} tokens" if self.ubatch != DEFAULT_PREFILL_UBATCH else ""
-        estimate = ", unread regions estimated" if self.estimate else ""
-        return f"routed (top-{self.top_k} regions per ubatch{size} from token {self.start:,}{estimate})"
+        return f"routed (top-{self.top_k} regions per ubatch{size} from token {self.start:,})"
 
 
 @dataclass

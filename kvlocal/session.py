@@ -23,15 +23,15 @@ from kvlocal import kvstate
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, ReadTotals
 from kvlocal.engine import llama_cpp, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
+from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
-from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE
+from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, MAX_THREADS, MIN_CTX
 from kvlocal.routing import (
     PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_centroid_type, check_region_block, read_stats,
 )
 
-KV_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type ids
 ANSWER_RESERVE = 768  # context tokens kept free for a question and its answer
 CTX_ROUND = 256
 
@@ -85,7 +85,6 @@ class PrefillReads(ReadTotals):
 
 
 MAX_TEMPERATURE = 10.0
-MAX_THREADS = 256  # llama.cpp's thread pool; far more than any core count we target
 
 
 def default_threads() -> int:
@@ -122,8 +121,8 @@ class Session:
         self.threads = threads or default_threads()
         self.requested_ctx = n_ctx
         self.trained_ctx = int(self.model.info.context_length or 0) or 32768
-        if n_ctx is not None and not 256 <= n_ctx <= self.trained_ctx:
-            raise UsageError(f"the context size must be between 256 and the model's trained context {self.trained_ctx}",
+        if n_ctx is not None and not MIN_CTX <= n_ctx <= self.trained_ctx:
+            raise UsageError(f"the context size must be between {MIN_CTX} and the model's trained context {self.trained_ctx}",
                              setting="ctx")
         self._vocab_llm = self._new_llama(vocab_only=True)
         self.chat_template = self._vocab_llm.metadata.get("tokenizer.chat_template")
@@ -151,8 +150,8 @@ class Session:
                 flash_attn=True,  # routed decoding needs the non-transposed V cache
                 type_k=KV_TYPES[self.kv_type],
                 type_v=KV_TYPES[self.kv_type],
-                kv_centroid_block=self.centroid_block,  # fixed for the context's KV cache (patch 0003)
-                kv_centroid_type=KV_TYPES[self.centroid_type],  # and its type (patch 0003)
+                kv_centroid_block=self.centroid_block,  # fixed for the context's KV cache
+                kv_centroid_type=KV_TYPES[self.centroid_type],  # and its type
                 verbose=False,
             )
         except (ValueError, RuntimeError) as err:

@@ -254,14 +254,15 @@ def test_ask_does_not_import_textual(cache_dir, doc, tiny_model):
 
 
 def test_cli_route_defaults_come_from_one_place():
-    """The CLI's defaults are route_settings' names, and RouteConfig's defaults the same ones."""
-    from kvlocal import cli, route_settings
-    from kvlocal.routing import RouteConfig
+    """The CLI's defaults are route_settings' names, and RouteConfig's and PrefillConfig's the same ones."""
+    from kvlocal import route_settings
+    from kvlocal.cli_options import PrefillOptions, RouteOptions
+    from kvlocal.routing import PrefillConfig, RouteConfig
 
-    assert cli.CENTROID_BLOCK is route_settings.DEFAULT_CENTROID_BLOCK
-    default = RouteConfig()
-    assert (default.top_k, default.region, default.window, default.sinks, default.shortlist, default.keep) == (
-        cli.TOP_K, cli.REGION, cli.WINDOW, cli.SINKS, cli.SHORTLIST, cli.KEEP)
+    options = RouteOptions()
+    assert options.centroid_block is route_settings.DEFAULT_CENTROID_BLOCK
+    assert options.config(RouteConfig().mode) == RouteConfig()
+    assert PrefillOptions().config(PrefillConfig().mode) == PrefillConfig()
 
 
 def test_route_settings_import_nothing_heavy():
@@ -272,9 +273,9 @@ def test_route_settings_import_nothing_heavy():
 
 
 def test_cli_threads_bound_is_the_sessions():
-    from kvlocal import cli, session
+    from kvlocal import cli_options, session
 
-    assert cli.MAX_THREADS == session.MAX_THREADS
+    assert cli_options.MAX_THREADS == session.MAX_THREADS
 
 
 @pytest.mark.parametrize("command", ["bench", "eval"])

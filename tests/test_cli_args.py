@@ -229,7 +229,7 @@ def test_an_automatic_shortlist_follows_the_document():
 
 
 def test_shortlist_option_takes_a_number_or_auto():
-    from kvlocal.cli import _shortlist_value
+    from kvlocal.cli_options import _shortlist_value
 
     assert _shortlist_value("auto") == _shortlist_value("AUTO") == route_settings.SHORTLIST_AUTO
     assert _shortlist_value("0") == 0 and _shortlist_value("32") == 32
@@ -240,8 +240,10 @@ def test_shortlist_option_takes_a_number_or_auto():
 
 def test_cli_bounds_are_route_settings():
     """The CLI's limits are route_settings' names (one home), and the engine's 32-bit ints hold them."""
+    from kvlocal import cli_options as opts
+
     rs = route_settings
-    assert (cli.MAX_TOP_K, cli.MAX_WINDOW, cli.MAX_SINKS, cli.MAX_SHORTLIST, cli.MAX_SEED, cli.MAX_CTX) == (
+    assert (opts.MAX_TOP_K, opts.MAX_WINDOW, opts.MAX_SINKS, opts.MAX_SHORTLIST, opts.MAX_SEED, opts.MAX_CTX) == (
         rs.MAX_TOP_K, rs.MAX_WINDOW, rs.MAX_SINKS, rs.MAX_SHORTLIST, rs.MAX_SEED, rs.MAX_CTX)
     assert max(rs.MAX_TOP_K, rs.MAX_WINDOW, rs.MAX_SINKS, rs.MAX_SHORTLIST, rs.MAX_CTX, rs.MAX_ANSWER_TOKENS) < 2**31
     assert rs.MAX_SEED == 2**32 - 1

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from kvlocal.evals import lab_rules
-from kvlocal.evals.lab_rules import Geometry, Head, all_rule, mean_rule, replay, two_level_rule
+from kvlocal.lab import rules as lab_rules
+from kvlocal.lab.rules import Geometry, Head, mean_rule, oracle_rule, replay, two_level_rule
 
 GEO = Geometry(region=4, sinks=4, window=4)
 
@@ -51,7 +51,7 @@ def test_every_region_selected_recalls_everything():
     rng = np.random.default_rng(0)
     head = Head(q=rng.normal(size=(3, 2, 8)).astype(np.float32), keys=rng.normal(size=(40, 8)).astype(np.float32),
                 pos=np.array([37, 38, 39]), scale=0.5)
-    r = replay(head, GEO, all_rule, [100], (10, 12))[100]
+    r = replay(head, GEO, oracle_rule, [100], (10, 12))[100]  # k past the candidates: every region
     np.testing.assert_allclose(r.got, r.tail, rtol=1e-6)
     assert r.fact_hit.all()
     assert r.rows_read.tolist() == [38, 39, 40]  # every visible cell
@@ -88,8 +88,9 @@ def test_q8_0_round_trip_by_hand():
 
 
 def test_question_pins_keep_what_the_question_found():
-    """Step 0 (the question) scores region 2 best; step 1 (the answer) scores region 3 best. With one
-    pin and k = 1 the answer step reads region 2, which the question found; without, region 3."""
+    """Step 0 (the question) attends to region 2; step 1 (the answer) scores region 3 best. With one
+    pin (by the question's attention mass) and k = 1 the answer step reads region 2, which the
+    question found; without, region 3."""
     keys = np.zeros((24, 2), np.float32)
     keys[9] = [10.0, 0.0]  # region 2
     keys[13] = [0.0, 10.0]  # region 3
@@ -143,6 +144,21 @@ def test_output_error_is_zero_when_everything_is_read_and_the_estimate_exact_for
 
 def test_rules_registry_names_callables():
     assert {"mean16", "mean4", "token", "oracle"} <= set(lab_rules.RULES)
+    assert all(callable(rule) for rule in lab_rules.RULES.values())
+
+
+def test_every_rule_replays_and_the_oracle_bounds_the_recall():
+    """Each registered rule runs on a head with a question and an answer step; none reads more of
+    the tail's mass than the regions that hold the most of it."""
+    rng = np.random.default_rng(5)
+    dim = 32  # Q8_0 blocks hold 32 values
+    head = Head(q=rng.normal(size=(3, 2, dim)).astype(np.float32), keys=rng.normal(size=(600, dim)).astype(np.float32),
+                pos=np.array([597, 598, 599]), scale=dim ** -0.5, n_question=2)
+    geo = Geometry(region=64, sinks=64, window=128)
+    best = replay(head, geo, lab_rules.RULES["oracle"], [2], (300, 310))[2].got.sum(axis=1)
+    for name, rule in lab_rules.RULES.items():
+        got = replay(head, geo, rule, [2], (300, 310))[2].got
+        assert (got.sum(axis=1) <= best + 1e-6).all(), name
 
 
 @pytest.mark.engine
@@ -151,7 +167,7 @@ def test_capture_on_a_tiny_model(tmp_path):
     from synth_gguf import write_tiny_qwen2
 
     from kvlocal.engine import llama_cpp
-    from kvlocal.evals.lab_capture import QKCapture, state_keys, state_kv
+    from kvlocal.lab.capture import QKCapture, state_keys, state_kv
 
     path = write_tiny_qwen2(tmp_path / "tiny.gguf", n_embd=128, n_head=2, n_head_kv=1, seed=3)
     module = llama_cpp()
@@ -180,7 +196,7 @@ def test_capture_on_a_tiny_model(tmp_path):
 
 
 def test_layer_budget_scale_parses_and_refuses():
-    from kvlocal.evals.lab import layer_scale
+    from kvlocal.lab.decode import layer_scale
 
     assert layer_scale("1-2:2,3:0.5", 5).tolist() == [1.0, 2.0, 2.0, 0.5, 1.0]
     for bad in ("2-11", "3-1:2", "0-9:2", "1:0", "a:b"):
@@ -195,7 +211,7 @@ def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from kvlocal import cli
-    from kvlocal.evals.lab import CaseCapture
+    from kvlocal.lab.decode import CaseCapture
 
     def refuse(*args, **kwargs):
         raise AssertionError("the engine was opened although the capture was saved")

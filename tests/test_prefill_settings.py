@@ -29,9 +29,8 @@ def test_routed_ubatches_can_be_smaller_than_the_contexts_but_not_larger():
 def test_the_state_tag_names_everything_that_shapes_a_routed_prefills_kv():
     assert PrefillConfig().state_tag(8, 512) == "dense"
     tags = {PrefillConfig(mode="routed", **kw).state_tag(blk, 512)
-            for kw, blk in [({}, 8), ({}, 4), ({"top_k": 8}, 8), ({"start": 0}, 8), ({"ubatch": 128}, 8),
-                            ({"estimate": True}, 8)]}
-    assert len(tags) == 6
+            for kw, blk in [({}, 8), ({}, 4), ({"top_k": 8}, 8), ({"start": 0}, 8), ({"ubatch": 128}, 8)]}
+    assert len(tags) == 5
     assert PrefillConfig(mode="routed").state_tag(8, 512) != PrefillConfig(mode="routed").state_tag(8, 256)
     # the centroids' type changes which regions are chosen; F16's tag stays what it was
     routed = PrefillConfig(mode="routed")

@@ -67,24 +67,23 @@ def test_engine_is_patched_and_current():
     assert info.current, (info.patchset, info.repo_patchset)
 
 
-def oracle_runs(raw: RawContext, steps: list[int], shortlist: int = 0, estimate: bool = False):
+def oracle_runs(raw: RawContext, steps: list[int], shortlist: int = 0):
     """Prefill N_DOC tokens, then decode `steps` densely, with every region routed, and with one."""
     raw.decode(doc_tokens(N_DOC))
     return [decode_steps(raw, N_DOC, steps, route) for route in (
         RouteConfig(mode="full"),
-        RouteConfig(mode="geometric", top_k=1000, region=64, shortlist=shortlist, estimate=estimate),
-        RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, estimate=estimate),
+        RouteConfig(mode="geometric", top_k=1000, region=64, shortlist=shortlist),
+        RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist),
     )]
 
 
-@pytest.mark.parametrize("estimate", [False, True])  # with every region read, nothing is left to estimate
 @pytest.mark.parametrize("shortlist", [0, 16])  # one scoring pass; two levels (coarse shortlist, fine choice)
 @pytest.mark.parametrize("kv_type, which, centroid_type", [(1, "tiny", 1), (8, "m64", 1), (1, "m64", 8)])
-def test_all_regions_reproduce_dense(tiny_model, model64, kv_type, which, centroid_type, shortlist, estimate):
+def test_all_regions_reproduce_dense(tiny_model, model64, kv_type, which, centroid_type, shortlist):
     path = tiny_model if which == "tiny" else model64
     raw = RawContext(path, n_ctx=2048, kv_type=kv_type, centroid_type=centroid_type)
     try:
-        dense, routed, small = oracle_runs(raw, doc_tokens(12, seed=1), shortlist, estimate)
+        dense, routed, small = oracle_runs(raw, doc_tokens(12, seed=1), shortlist)
     finally:
         raw.close()
     diff = max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, routed))
@@ -105,7 +104,7 @@ def test_read_stats_are_exact_for_window_mode(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        route = RouteConfig(mode="window", top_k=3, region=64, window=128, sinks=64, estimate=False)
+        route = RouteConfig(mode="window", top_k=3, region=64, window=128, sinks=64)
         [(_, st)] = decode_steps(raw, N_DOC, [5], route)
     finally:
         raw.close()
@@ -132,11 +131,10 @@ def test_geometric_stats_count_centroid_bytes(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        [(_, st)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=0, keep=0,
-                                                             estimate=False))
+        [(_, st)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=0, keep=0))
         [(_, two)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=6,
-                                                               keep=0, estimate=False))
-        [(_, rnd)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="random", top_k=4, region=64, seed=7, estimate=False))
+                                                               keep=0))
+        [(_, rnd)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="random", top_k=4, region=64, seed=7))
     finally:
         raw.close()
     n_layer, n_head_kv, head_dim, cent_blk = 2, 2, 16, 16
@@ -161,7 +159,7 @@ def test_q8_0_centroids_scan_fewer_bytes_and_choose_alike(tiny_model, model64):
     """kv_centroid_type = Q8_0 keeps the centroids in 34 bytes per 32 values instead of 64: the scan
     counts exactly that, the gathered rows do not change, and the choice is nearly the F16 one. A
     head size that is not whole Q8_0 blocks keeps F16; another type is refused."""
-    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=6, keep=0, estimate=False)
+    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=6, keep=0)
     steps = doc_tokens(6, seed=4)
     runs = {}
     for name, centroid_type in (("f16", 1), ("q8_0", 8)):
@@ -198,8 +196,8 @@ def test_pins_from_a_dense_question_steer_the_answer_until_forgotten(model64):
     m = llama_cpp()
     question, step = doc_tokens(9, seed=7), doc_tokens(1, seed=8)
     n_layer, n_head_kv, head_dim = 2, 1, 64
-    plain = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, estimate=False, pin=0)
-    pinned = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, estimate=False, pin=2)
+    plain = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, pin=0)
+    pinned = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, pin=2)
 
     def ask(raw, route):
         m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, N_DOC, -1)
@@ -231,44 +229,12 @@ def test_pins_from_a_dense_question_steer_the_answer_until_forgotten(model64):
     np.testing.assert_array_equal(st_forgot.regions, st_plain.regions)
 
 
-@pytest.mark.parametrize("shortlist", [0, 6])
-def test_estimate_counts_its_reads_and_moves_a_tight_budget_towards_dense(tiny_model, shortlist):
-    """The estimate reads one mean value per region and KV head (and one mean key, unless the coarse
-    pass scanned them); it gathers the same rows; at top-1 its logits are closer to dense ones."""
-    raw = RawContext(tiny_model, n_ctx=2048)
-    steps = doc_tokens(8, seed=2)
-    try:
-        raw.decode(doc_tokens(N_DOC))
-        dense = decode_steps(raw, N_DOC, steps, RouteConfig(mode="full"))
-        plain = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, keep=0,
-                                                            estimate=False))
-        est = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, keep=0,
-                                                          estimate=True))
-        rnd = decode_steps(raw, N_DOC, steps[:1], RouteConfig(mode="random", top_k=1, region=64, estimate=True))
-    finally:
-        raw.close()
-    n_layer, n_head_kv, head_dim = 2, 2, 16
-    for (_, a), (_, b) in zip(plain, est):
-        n_reg = -(-a.n_kv // 64)
-        row = n_head_kv * head_dim * 2  # one F16 row of every KV head
-        per_layer = n_reg * row * (1 if shortlist else 2)  # mean values (+ mean keys for one-pass scoring)
-        assert b.bytes_meta - a.bytes_meta == n_layer * per_layer
-        assert b.bytes_kv == a.bytes_kv and b.rows_read == a.rows_read
-        assert b.n_sel == a.n_sel
-    # the first layer of the first step chooses from the same inputs (later ones see other hidden states)
-    assert (est[0][1].regions[0] == plain[0][1].regions[0]).all()
-    assert rnd[0][1].bytes_meta == n_layer * n_reg * row * 2  # random scans nothing, but reads the means
-    err_plain = np.mean([np.abs(d[0] - p[0]).mean() for d, p in zip(dense, plain)])
-    err_est = np.mean([np.abs(d[0] - e[0]).mean() for d, e in zip(dense, est)])
-    assert err_est < 0.8 * err_plain, (err_est, err_plain)
-
-
 def test_route_graph_uses_gpu_ops_only(tiny_model):
     rec = GraphRecorder()
     raw = RawContext(tiny_model, n_ctx=2048, recorder=rec)
     try:
         raw.decode(doc_tokens(700))
-        RouteConfig(mode="geometric", top_k=2, region=64, estimate=True).apply(raw.ctx)
+        RouteConfig(mode="geometric", top_k=2, region=64).apply(raw.ctx)
         rec.recording = True
         raw.decode([7])
         rec.recording = False
@@ -276,7 +242,7 @@ def test_route_graph_uses_gpu_ops_only(tiny_model):
         raw.close()
     ops = {op for op, _ in rec.nodes}
     names = {name.rsplit("-", 1)[0] for _, name in rec.nodes}
-    assert {"kv_route_scores", "kv_route_sel", "kv_route_fattn", "kv_cent_upd", "kv_route_est", "kv_vmean_upd"} <= names
+    assert {"kv_route_scores", "kv_route_sel", "kv_route_fattn", "kv_cent_upd"} <= names
     assert ops <= GPU_OPS, f"ops outside the CUDA/Metal set: {sorted(ops - GPU_OPS)}"
 
 
@@ -339,7 +305,7 @@ def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch)
 
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
     text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(120))
-    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0, estimate=False)
+    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0)
 
     def first_step(session):
         for event in session.ask("which value?", route=route, max_tokens=1, want_regions=True):
@@ -374,7 +340,7 @@ def test_iswa_routes_the_full_attention_layers(iswa_model):
     raw = RawContext(iswa_model, n_ctx=2048)
     try:
         dense, routed, small = oracle_runs(raw, doc_tokens(8, seed=2))
-        [(_, win)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="window", top_k=3, region=64, estimate=False))
+        [(_, win)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="window", top_k=3, region=64))
     finally:
         raw.close()
     diff = max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, routed))
@@ -552,12 +518,11 @@ def decode_batch(raw: RawContext, n_prefix: int, tokens: list[int], route: Route
     return raw.logits(), read_stats(raw.ctx)
 
 
-@pytest.mark.parametrize("estimate", [False, True])
 @pytest.mark.parametrize("shortlist", [0, 16])
-def test_a_routed_batch_of_every_region_reproduces_the_dense_batch(tiny_model, shortlist, estimate):
+def test_a_routed_batch_of_every_region_reproduces_the_dense_batch(tiny_model, shortlist):
     raw = RawContext(tiny_model, n_ctx=2048)
     batch = doc_tokens(20, seed=2)
-    route = RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, estimate=estimate, pin=0)
+    route = RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, pin=0)
     try:
         raw.decode(doc_tokens(N_DOC))
         dense, dense_st = decode_batch(raw, N_DOC, batch, RouteConfig(mode="full"), 0)
@@ -586,7 +551,7 @@ def test_a_window_batch_reads_the_window_before_its_first_token(tiny_model):
     batch = doc_tokens(100, seed=4)
     try:
         raw.decode(doc_tokens(N_DOC))
-        route = RouteConfig(mode="window", top_k=1, region=64, window=64, sinks=64, estimate=False)
+        route = RouteConfig(mode="window", top_k=1, region=64, window=64, sinks=64)
         _, st = decode_batch(raw, N_DOC, batch, route, 2)
     finally:
         raw.close()
@@ -606,7 +571,7 @@ def test_a_routed_batch_uses_gpu_ops_only(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048, recorder=rec)
     try:
         raw.decode(doc_tokens(700))
-        RouteConfig(mode="geometric", top_k=2, region=64, estimate=True).apply(raw.ctx, batch_top_k=3)
+        RouteConfig(mode="geometric", top_k=2, region=64).apply(raw.ctx, batch_top_k=3)
         rec.recording = True
         raw.decode(doc_tokens(9, seed=5))
         rec.recording = False
@@ -614,5 +579,5 @@ def test_a_routed_batch_uses_gpu_ops_only(tiny_model):
         raw.close()
     ops = {op for op, _ in rec.nodes}
     names = {name.rsplit("-", 1)[0] for _, name in rec.nodes}
-    assert {"kv_route_scores", "kv_route_sel", "kv_route_fattn", "kv_route_est"} <= names
+    assert {"kv_route_scores", "kv_route_sel", "kv_route_fattn"} <= names
     assert ops <= GPU_OPS, f"ops outside the CUDA/Metal set: {sorted(ops - GPU_OPS)}"

@@ -78,5 +78,20 @@ def test_eval_rows_before_the_question_pass_read_it_step_by_step():
     assert row_key(dict(old, question="routed", question_top_k=16)) != row_key(dict(old, question="routed",
                                                                                      question_top_k=32))
     assert question_pass(dict(old, question="routed", question_top_k=16)) == "q16"
-    assert scoring_label({"centroid_block": 4, "shortlist": 32, "keep": 0.9, "estimate": True,
+    assert scoring_label({"centroid_block": 4, "shortlist": 32, "keep": 0.9,
                           "question": "steps"}).endswith(" steps")
+
+
+def test_eval_rows_of_the_retired_estimate_still_load_as_other_cells(tmp_path):
+    """A results.jsonl from before the estimate was removed still loads, and a row that ran it is not
+    taken for the same cell run without it (a rerun does not skip that cell)."""
+    import json
+
+    from kvlocal.evals.runner import load_rows, row_key
+
+    row = {"length": 8192, "task": "lookalike", "seed": 0, "probe": 1, "mode": "geometric", "top_k": 4,
+           "region": 64, "window": 128, "sinks": 64}
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (row, dict(row, estimate=True))))
+    old, est = load_rows(path)
+    assert row_key(old) == row_key(dict(old, estimate=False)) != row_key(est)

@@ -61,11 +61,13 @@ SessionFactory = Callable[[ModelProgressFn], Any]  # returns a kvlocal.session.S
 WELCOME = "No document loaded. Press ctrl+o to open one (pdf, txt, md, html, epub); f1 shows help."
 
 
-def default_session_factory(model: str | None, threads: int | None) -> SessionFactory:
+def default_session_factory(model: str | None, threads: int | None = None, **settings: Any) -> SessionFactory:
+    """Opens the Session of `model`; `settings` are its other keyword arguments (n_ctx, kv_type, centroids)."""
+
     def factory(progress: ModelProgressFn):
         from kvlocal.session import Session
 
-        return Session(model, threads=threads, model_progress=progress)
+        return Session(model, threads=threads, model_progress=progress, **settings)
 
     return factory
 
@@ -657,9 +659,11 @@ class KvlocalApp(App[None]):
 INTERRUPTED = 130  # the exit code of an interrupted kvlocal command
 
 
-def run_app(document: Path | None = None, model: str | None = None, threads: int | None = None,
-            prefill: PrefillConfig | None = None) -> int:
-    """Entry point of `kvlocal tui`; returns the exit code (130: interrupted)."""
-    app = KvlocalApp(document, model=model, threads=threads, prefill=prefill, handle_sigint=True)
+def run_app(document: Path | None = None, model: str | None = None, *, route: RouteConfig | None = None,
+            prefill: PrefillConfig | None = None, max_tokens: int = 256, session_settings: dict | None = None) -> int:
+    """Entry point of `kvlocal tui`; returns the exit code (130: interrupted). `session_settings`: the
+    Session's keyword arguments (threads, n_ctx, kv_type, centroid_block, centroid_type)."""
+    app = KvlocalApp(document, session_factory=default_session_factory(model, **(session_settings or {})),
+                     route=route, prefill=prefill, max_tokens=max_tokens, handle_sigint=True)
     app.run()
     return app.return_code or 0

@@ -9,8 +9,9 @@ from pathlib import Path
 from statistics import mean
 
 from kvlocal.atomic import write_text_atomic
+from kvlocal.evals.runner import block, question_pass
 from kvlocal.route_settings import (
-    DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_ESTIMATE, DEFAULT_KEEP, DEFAULT_PIN, DEFAULT_QUESTION,
+    DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_PIN, DEFAULT_QUESTION,
     DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST, MODES, SHORTLIST_AUTO,
 )
 
@@ -24,46 +25,29 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     return groups
 
 
-# rows written before the centroid block was recorded ran with one centroid per 16 tokens
-BLOCK_BEFORE_RECORDED = 16
-
-
-def block(row: dict) -> int:
-    """The row's centroid block."""
-    return row.get("centroid_block", BLOCK_BEFORE_RECORDED)
-
-
-def question_pass(row: dict) -> str:
-    """How the row's question read the document: 'steps' (token by token through the route, as every
-    row before the routed ubatch), 'dense' (one dense batch) or 'q<k>' (one batch routed to k regions)."""
-    question = row.get("question", "steps")
-    return f"q{row.get('question_top_k', 0)}" if question == "routed" else question
-
-
-def scoring(row: dict) -> tuple[int, int, float, bool, str, str, int]:
-    """How a geometric row scored and read regions: (centroid block, shortlist, keep, estimate,
-    question pass, centroid type, pins); rows written before two-level scoring, the selection
-    memory, the estimate, the question batch, Q8_0 centroids and pins scanned every centroid, kept no
-    memory, dropped the unread regions, decoded the question token by token, kept F16 centroids and
-    pinned nothing."""
-    return (block(row), row.get("shortlist", 0), row.get("keep", 0.0), row.get("estimate", False), question_pass(row),
+def scoring(row: dict) -> tuple[int, int, float, str, str, int]:
+    """How a geometric row scored and read regions: (centroid block, shortlist, keep, question pass,
+    centroid type, pins); rows written before two-level scoring, the selection memory, the question
+    batch, Q8_0 centroids and pins scanned every centroid, kept no memory, decoded the question token
+    by token, kept F16 centroids and pinned nothing."""
+    return (block(row), row.get("shortlist", 0), row.get("keep", 0.0), question_pass(row),
             row.get("centroid_type", "f16"), row.get("pin", 0))
 
 
-DEFAULT_SCORING = (DEFAULT_CENTROID_BLOCK, DEFAULT_SHORTLIST, DEFAULT_KEEP, DEFAULT_ESTIMATE,
+DEFAULT_SCORING = (DEFAULT_CENTROID_BLOCK, DEFAULT_SHORTLIST, DEFAULT_KEEP,
                    question_pass({"question": DEFAULT_QUESTION, "question_top_k": DEFAULT_QUESTION_TOP_K}),
                    DEFAULT_CENTROID_TYPE, DEFAULT_PIN)
 
 
 def scoring_label(point: dict) -> str:
-    """'' for the default scoring, else e.g. '/b16' or '/b4 s32 keep 0.9 est steps q8_0' (the centroid
+    """'' for the default scoring, else e.g. '/b16' or '/b4 s32 keep 0.9 steps q8_0' (the centroid
     type named unless it is f16, the type of every row written before it was recorded)."""
-    b, s, k, e = point["centroid_block"], point.get("shortlist", 0), point.get("keep", 0.0), point.get("estimate", False)
+    b, s, k = point["centroid_block"], point.get("shortlist", 0), point.get("keep", 0.0)
     q, t, pin = point.get("question", "steps"), point.get("centroid_type", "f16"), point.get("pin", 0)
-    if (b, s, k, e, q, t, pin) == DEFAULT_SCORING:
+    if (b, s, k, q, t, pin) == DEFAULT_SCORING:
         return ""
     shortlist = " s auto" if s == SHORTLIST_AUTO else f" s{s}" if s else ""
-    return (f"/b{b}" + shortlist + (f" keep {k:g}" if k else "") + (" est" if e else "") + f" {q}"
+    return (f"/b{b}" + shortlist + (f" keep {k:g}" if k else "") + f" {q}"
             + (f" {t}" if t != "f16" else "") + (f" pin {pin}" if pin else ""))
 
 
@@ -91,7 +75,7 @@ def main_budget(rows: list[dict]) -> int | None:
     return min(ks) if ks else None
 
 
-def main_scoring(rows: list[dict]) -> tuple[int, int, float, bool, str, str, int]:
+def main_scoring(rows: list[dict]) -> tuple[int, int, float, str, str, int]:
     """The scoring of the main geometric cells: the default one if it ran, else the one with the
     smallest centroid block (the finest)."""
     ran = {scoring(r) for r in rows if r["mode"] == "geometric"}
@@ -122,7 +106,7 @@ def summarize(rows: list[dict]) -> dict:
             "prefill_tps": _first([r["prefill_tps"] for r in group]),
         })
     return {"main_top_k": k0, "main_centroid_block": s0[0], "main_shortlist": s0[1], "main_keep": s0[2],
-            "main_estimate": s0[3], "main_question": s0[4], "main_centroid_type": s0[5], "main_pin": s0[6],
+            "main_question": s0[3], "main_centroid_type": s0[4], "main_pin": s0[5],
             "cells": cells, "sweep": sweep(rows)}
 
 
@@ -138,13 +122,13 @@ def sweep(rows: list[dict]) -> list[dict]:
         full_acc = dense["accuracy"]
         points = []
         geo = [dict(r, centroid_block=block(r), shortlist=r.get("shortlist", 0), keep=r.get("keep", 0.0),
-                    estimate=r.get("estimate", False), question=question_pass(r),
+                    question=question_pass(r),
                     centroid_type=r.get("centroid_type", "f16"), pin=r.get("pin", 0))
                for r in group if r["mode"] == "geometric"]
-        for (b, s, kp, e, q, t, pin, k), g in sorted(_group(geo, "centroid_block", "shortlist", "keep", "estimate",
-                                                            "question", "centroid_type", "pin", "top_k").items()):
+        for (b, s, kp, q, t, pin, k), g in sorted(_group(geo, "centroid_block", "shortlist", "keep", "question",
+                                                         "centroid_type", "pin", "top_k").items()):
             far = _accuracy([r for r in g if _outside_window(r)])
-            points.append({"top_k": k, "centroid_block": b, "shortlist": s, "keep": kp, "estimate": e, "question": q,
+            points.append({"top_k": k, "centroid_block": b, "shortlist": s, "keep": kp, "question": q,
                            "centroid_type": t, "pin": pin,
                            **_accuracy(g),
                            "accuracy_outside_window": far["accuracy"], "n_outside": far["n"],
@@ -248,7 +232,7 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
     written = []
     k0 = summary["main_top_k"]
     s0 = (summary.get("main_centroid_block", DEFAULT_CENTROID_BLOCK), summary.get("main_shortlist", 0),
-          summary.get("main_keep", 0.0), summary.get("main_estimate", False), summary.get("main_question", "steps"),
+          summary.get("main_keep", 0.0), summary.get("main_question", "steps"),
           summary.get("main_centroid_type", "f16"), summary.get("main_pin", 0))
     for task in sorted({r["task"] for r in rows if r["depth"] >= 0}):
         task_rows = [r for r in rows if r["task"] == task and (r["mode"] == "full" or r["top_k"] == k0)
@@ -336,16 +320,198 @@ def check_ordering(summary: dict, tolerance: float = 0.0) -> list[str]:
     return problems
 
 
+# ---- per route: the figures BENCHMARKS.md tabulates (`--routes`) ----------------------------------
+
+
+def route_label(row: dict) -> str:
+    """The route a row ran, in words, from the row's own fields: 'full', 'window top-4', or for
+    geometric every scoring setting (an automatic shortlist by the value it took, so a run given the
+    same number explicitly joins it), e.g. 'geometric top-4, b8 s64 keep 0.9 pin 2'; then what else
+    differs from the default: the question pass when it is not dense, Q8_0 centroids, the retired
+    estimate, a routed prefill (e.g. 'prefill top-64', 'prefill top-16/u128')."""
+    mode = row["mode"]
+    label = mode if mode == "full" else f"{mode} top-{row['top_k']}"
+    if mode == "geometric":
+        shortlist = row.get("shortlist", 0)
+        if shortlist == SHORTLIST_AUTO:
+            shortlist = row.get("shortlist_used", shortlist)
+        label += f", b{block(row)} " + (f"s{shortlist}" if shortlist else "no shortlist")
+        label += f" keep {row.get('keep', 0.0):g}"
+        if row.get("pin"):
+            label += f" pin {row['pin']}"
+        if row.get("centroid_type", "f16") != "f16":
+            label += f" {row['centroid_type']}"
+    if mode != "full" and row.get("estimate"):
+        label += " estimate"
+    if question_pass(row) != "dense":
+        label += f", question {question_pass(row)}"
+    prefill = row.get("prefill") or "dense"
+    if prefill != "dense":
+        parts = prefill.split(":")
+        top = next((p[3:] for p in parts if p.startswith("top")), "?")
+        ubatch = next((p[len("routed-ubatch"):] for p in parts if p.startswith("routed-ubatch")), None)
+        label += f", prefill top-{top}" + (f"/u{ubatch}" if ubatch else "") + (" estimate" if "estimate" in parts else "")
+    return label
+
+
+def answer_reduction(row: dict) -> float:
+    """Dense K/V bytes over the bytes read by the answer's steps alone (metadata included): the
+    question's read is taken out of both sides. Rows that do not record it (written before the
+    question pass was counted apart) take one dense read, bytes_dense / steps, as the question's; a
+    question read token by token through the route is read as the answer is, so there the answer's
+    steps read what the whole row reads."""
+    if question_pass(row) == "steps":
+        return row["bytes_dense"] / row["bytes_read"] if row["bytes_read"] else 1.0
+    if "question_bytes_read" in row:
+        q_read, q_dense = row["question_bytes_read"], row["question_bytes_dense"]
+    else:
+        q_read = q_dense = row["bytes_dense"] / row["steps"]
+    read = row["bytes_read"] - q_read
+    return (row["bytes_dense"] - q_dense) / read if read > 0 else 1.0
+
+
+def answer_step_mib(row: dict) -> tuple[float, float] | None:
+    """MiB one answer step reads: (K/V rows, metadata: centroids and the memory). Only for a dense
+    question pass recorded apart and an answer of more than one step; what that pass reads beyond one
+    dense read (the pins' second read of K, counted as metadata) is the question's, not the steps'."""
+    if question_pass(row) != "dense" or "question_bytes_read" not in row or row["steps"] <= 1:
+        return None
+    q_read, q_dense = row["question_bytes_read"], row["question_bytes_dense"]
+    meta = row["bytes_meta"] - max(0, q_read - q_dense)
+    kv = row["bytes_read"] - q_read - meta
+    steps = row["steps"] - 1
+    return kv / steps / 2**20, meta / steps / 2**20
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _code_in(code: str, answer: str) -> bool:
+    return code.strip().lower() in answer.lower()
+
+
+def routes(rows: list[dict]) -> list[dict]:
+    """One entry per (length, task, route): each probe counted once per route (a later row of the same
+    haystack, depth and probe replaces an earlier one, so a rerun does not double n). Accuracy on the
+    facts outside the sinks and window with its n and 95 % Wilson interval; the share of those whose
+    answer equals full attention's (dense prefill, same question pass) on the same probe; the
+    reduction of the answer's steps and the total with the question's read, both means over every
+    row of the route; MiB per answer step; the median decode rate (short answers: not a benchmark);
+    the median prefill rate of the haystacks prefilled in these rows; and what the wrong answers
+    outside the window are: another fact's code of the same haystack, or something else (a
+    near-copy, a cut answer)."""
+    probes: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
+    codes: dict[tuple, set[str]] = defaultdict(set)  # haystack -> every fact's code
+    full_answer: dict[tuple, str] = {}
+    models = {r.get("model") for r in rows}
+    for r in rows:
+        haystack = (r.get("model"), r["length"], r["task"], r.get("seed", 0))
+        codes[haystack].update(r.get("expected", []))
+        # several models' rows: each route is named with its model
+        label = f"{r.get('model')}: {route_label(r)}" if len(models) > 1 else route_label(r)
+        probes[(r["length"], r["task"], label)][(r.get("seed", 0), r["depth"], r.get("probe", 0))] = r
+        if r["mode"] == "full" and (r.get("prefill") or "dense") == "dense":
+            full_answer[(*haystack, r["depth"], r.get("probe", 0), question_pass(r))] = r["answer"].strip()
+    out = []
+    for (length, task, label), by_probe in probes.items():
+        group = list(by_probe.values())
+        far = [r for r in group if _outside_window(r)]
+        acc = _accuracy(far)
+        paired = [r["answer"].strip() == full_answer[key] for r in far
+                  if (key := (r.get("model"), r["length"], r["task"], r.get("seed", 0), r["depth"], r.get("probe", 0),
+                              question_pass(r))) in full_answer]
+        wrong = [r for r in far if r["score"] < 1]
+        other_fact = sum(any(_code_in(c, r["answer"]) for c in codes[(r.get("model"), r["length"], r["task"],
+                                                                       r.get("seed", 0))]
+                             if c not in r.get("expected", [])) for r in wrong)
+        mib = [m for r in group if (m := answer_step_mib(r)) is not None]
+        prefilled = {}
+        for r in group:
+            if r.get("prefill_tps"):
+                prefilled.setdefault(r.get("seed", 0), r["prefill_tps"])
+        out.append({
+            "length": length, "task": task, "route": label, "mode": group[0]["mode"],
+            "n_outside": acc["n"], "accuracy_outside_window": acc["accuracy"],
+            "accuracy_outside_window_ci": acc["accuracy_ci"],
+            "same_as_full": mean(paired) if paired else None, "n_paired": len(paired),
+            "answer_reduction": mean(answer_reduction(r) for r in group),
+            "total_reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in group if r["bytes_read"]),
+            "step_mib": (mean(m[0] for m in mib), mean(m[1] for m in mib)) if mib else None,
+            "decode_tps": _median([r["decode_tps"] for r in group if r.get("decode_tps")]),
+            "prefill_tps": _median(list(prefilled.values())), "n_prefilled": len(prefilled),
+            "wrong_other_fact": other_fact, "wrong_else": len(wrong) - other_fact,
+        })
+    out.sort(key=lambda e: (e["length"], e["task"], e["route"].rpartition(": ")[0], _mode_rank(e["mode"]), e["route"]))
+    return out
+
+
+def routes_markdown(entries: list[dict]) -> str:
+    lines = ["| length | task | route | acc. outside window [95 % CI] (n) | same answer as full (n) "
+             "| reduction: answer steps | reduction: question included | MiB per answer step: K/V + metadata "
+             "| decode tok/s (median) | prefill tok/s (median, haystacks) | wrong: another fact's code / other |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in entries:
+        acc = _accuracy_text(e["accuracy_outside_window"], e["accuracy_outside_window_ci"], e["n_outside"])
+        same = "–" if e["same_as_full"] is None or e["route"].endswith("full") else f"{e['same_as_full']:.0%} ({e['n_paired']})"
+        mib = "–" if e["step_mib"] is None else f"{e['step_mib'][0]:.1f} + {e['step_mib'][1]:.1f}"
+        decode = "–" if e["decode_tps"] is None else f"{e['decode_tps']:.1f}"
+        prefill = "–" if e["prefill_tps"] is None else f"{e['prefill_tps']:.1f} ({e['n_prefilled']})"
+        lines.append(f"| {e['length']:,} | {e['task']} | {e['route']} | {acc} | {same} | {e['answer_reduction']:.1f}x "
+                     f"| {e['total_reduction']:.1f}x | {mib} | {decode} | {prefill} "
+                     f"| {e['wrong_other_fact']} / {e['wrong_else']} |")
+    return "\n".join(lines)
+
+
+def bench_markdown(runs: list[tuple[str, dict]]) -> str:
+    """The decode and prefill tables of `kvlocal bench --out FILE.json` runs, one row per run and length."""
+    lines = ["| run | model | context tokens | full tok/s | geometric tok/s | speed-up | KV bytes read, reduction "
+             "| time to first token (4k): fresh / cached | peak RSS |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, run in runs:
+        ttft = (f"{run['ttft_fresh_s']:.1f} s / {run['ttft_cached_s']:.1f} s"
+                if run.get("ttft_fresh_s") is not None else "–")
+        rss = f"{run['peak_rss_bytes'] / 2**30:.1f} GiB" if run.get("peak_rss_bytes") else "–"
+        for d in run.get("lengths", []):
+            lines.append(f"| {name} | {run['model']} | {d['n_tokens']:,} | {d['full_tps']:.2f} | {d['geometric_tps']:.2f} "
+                         f"| {d['speedup']:.2f}x | {d['bytes_reduction']:.1f}x | {ttft} | {rss} |")
+    prefill = [(name, run, d) for name, run in runs for d in run.get("prefill_lengths", [])]
+    if prefill:
+        lines += ["", "| run | routed prefill | document tokens | dense s | routed s | speed-up | attention bytes read, reduction |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for name, run, d in prefill:
+            lines.append(f"| {name} | {run.get('prefill', '')} | {d['n_tokens']:,} | {d['dense_s']:.1f} | {d['routed_s']:.1f} "
+                         f"| {d['speedup']:.2f}x | {d['bytes_reduction']:.1f}x |")
+    return "\n".join(lines)
+
+
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m kvlocal.evals.report results.jsonl ...`: one table over the rows of several runs."""
+    """`python -m kvlocal.evals.report results.jsonl ...`: one table over the rows of several runs;
+    `--routes` first: one row per route (answer-step and total reductions side by side, paired with
+    full, what the wrong answers are); `--bench` first: the tables of `kvlocal bench --out` files."""
     import sys
 
     from kvlocal.evals.runner import load_rows
 
-    paths = [Path(a) for a in (argv if argv is not None else sys.argv[1:])]
+    args = list(argv if argv is not None else sys.argv[1:])
+    kind = args.pop(0) if args and args[0] in ("--routes", "--bench") else None
+    paths = [Path(a) for a in args]
     if not paths:
-        raise SystemExit("usage: python -m kvlocal.evals.report RESULTS.jsonl [...]")
+        raise SystemExit("usage: python -m kvlocal.evals.report [--routes] RESULTS.jsonl [...]\n"
+                         "       python -m kvlocal.evals.report --bench BENCH.json [...]")
+    if kind == "--bench":
+        print(bench_markdown([(p.stem, json.loads(p.read_text())) for p in paths]))
+        return
     rows = [r for p in paths for r in load_rows(p)]
+    if kind == "--routes":
+        print(routes_markdown(routes(rows)))
+        return
     summary = summarize(rows)
     print(markdown(summary))
     print()

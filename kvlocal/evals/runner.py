@@ -15,20 +15,7 @@ from pathlib import Path
 
 from kvlocal.errors import UsageError
 from kvlocal.evals.tasks import Case, build_case, score
-from kvlocal.route_settings import (
-    DEFAULT_ESTIMATE,
-    DEFAULT_KEEP,
-    DEFAULT_PIN,
-    DEFAULT_QUESTION,
-    DEFAULT_QUESTION_TOP_K,
-    DEFAULT_REGION,
-    DEFAULT_SHORTLIST,
-    DEFAULT_SINKS,
-    DEFAULT_TOP_K,
-    DEFAULT_WINDOW,
-    MODES,
-)
-from kvlocal.evals.report import BLOCK_BEFORE_RECORDED, question_pass
+from kvlocal.route_settings import MODES
 from kvlocal.routing import PrefillConfig, RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
 
@@ -46,32 +33,21 @@ class GridConfig:
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     modes: list[str] = field(default_factory=lambda: list(MODES))
     seeds: list[int] = field(default_factory=lambda: [0])
-    top_k: int = DEFAULT_TOP_K
-    region: int = DEFAULT_REGION
-    window: int = DEFAULT_WINDOW
-    sinks: int = DEFAULT_SINKS
+    route: RouteConfig = field(default_factory=RouteConfig)  # the settings of every mode's route (its mode unused)
     sweep: list[int] = field(default_factory=list)  # extra geometric budgets (top-k values)
-    shortlist: int = DEFAULT_SHORTLIST  # two-level scoring (0: one pass over every fine centroid)
-    keep: float = DEFAULT_KEEP  # selection memory (0: none)
-    estimate: bool = DEFAULT_ESTIMATE  # unread regions estimated from their means
-    question: str = DEFAULT_QUESTION  # how the question reads the document: routed, dense or steps
-    question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions a routed question reads
-    pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (geometric only)
     max_tokens: int | None = None  # None: ANSWER_TOKENS[task]
     prefill: PrefillConfig = field(default_factory=PrefillConfig)  # how the haystacks are prefilled
 
     def routes(self) -> Iterator[RouteConfig]:
         for mode in self.modes:
-            yield self.route(mode, self.top_k)
+            yield self.route_of(mode, self.route.top_k)
         if "geometric" in self.modes:
             for k in self.sweep:
-                if k != self.top_k:
-                    yield self.route("geometric", k)
+                if k != self.route.top_k:
+                    yield self.route_of("geometric", k)
 
-    def route(self, mode: str, top_k: int) -> RouteConfig:
-        route = RouteConfig(mode=mode, top_k=top_k, region=self.region, window=self.window, sinks=self.sinks,
-                            shortlist=self.shortlist, keep=self.keep, estimate=self.estimate, question=self.question,
-                            question_top_k=self.question_top_k, pin=self.pin)
+    def route_of(self, mode: str, top_k: int) -> RouteConfig:
+        route = replace(self.route, mode=mode, top_k=top_k)
         return replace(route, pin=route.pins)  # rows record the pins that acted (0 for the controls)
 
 
@@ -103,17 +79,33 @@ def answer_tokens(config: GridConfig, task: str) -> int:
     return config.max_tokens or task_answer_tokens(task)
 
 
+# rows written before the centroid block was recorded ran with one centroid per 16 tokens
+BLOCK_BEFORE_RECORDED = 16
+
+
+def block(row: dict) -> int:
+    """The row's centroid block."""
+    return row.get("centroid_block", BLOCK_BEFORE_RECORDED)
+
+
+def question_pass(row: dict) -> str:
+    """How the row's question read the document: 'steps' (token by token through the route, as every
+    row before the routed ubatch), 'dense' (one dense batch) or 'q<k>' (one batch routed to k regions)."""
+    question = row.get("question", "steps")
+    return f"q{row.get('question_top_k', 0)}" if question == "routed" else question
+
+
 def row_key(row: dict) -> tuple:
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
-            row["window"], row["sinks"], row.get("haystack", ""), row.get("centroid_block", BLOCK_BEFORE_RECORDED),
+            row["window"], row["sinks"], row.get("haystack", ""), block(row),
             row.get("max_tokens", task_answer_tokens(row["task"])),  # older rows ran at the task's default
             row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
             row.get("keep", 0.0),  # ... and selected afresh at every step
-            row.get("estimate", False),  # ... and dropped the unread regions' mass
             question_pass(row),  # ... and decoded the question token by token
             row.get("prefill", "dense"),  # ... and prefilled the haystack densely
             row.get("centroid_type", "f16"),  # ... and kept the centroids in F16
-            row.get("pin", 0))  # ... and pinned nothing by the question
+            row.get("pin", 0),  # ... and pinned nothing by the question
+            row.get("estimate", False))  # a row that ran the retired estimate of unread regions: another cell
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -183,7 +175,7 @@ def _key(length, task, seed, probe_index, route, haystack_name, session, max_tok
                     "top_k": route.top_k, "region": route.region, "window": route.window, "sinks": route.sinks,
                     "haystack": haystack_name, "centroid_block": session.centroid_block,
                     "centroid_type": session.centroid_type, "max_tokens": max_tokens,
-                    "shortlist": route.shortlist, "keep": route.keep, "estimate": route.estimate,
+                    "shortlist": route.shortlist, "keep": route.keep,
                     "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag,
                     "pin": route.pin})
 

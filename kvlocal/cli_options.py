@@ -1,0 +1,214 @@
+"""The command line's options, each declared once, and the option groups the commands share.
+
+An option is a typer `Annotated` alias; its --help panel says who needs it: the everyday few (no
+panel name), then ROUTING and PREFILL tuning. A command takes a group (`RouteOptions`,
+`PrefillOptions`) as one parameter; `option_groups` shows typer the group's fields in its place and
+hands the command the group object, which turns into the core's RouteConfig or PrefillConfig.
+
+Defaults and bounds come from route_settings (no numpy, ctypes or engine here, so --help stays fast);
+a bound is checked by typer (exit 2, before any work) and again by the core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvlocal.route_settings import (
+    CENTROID_BLOCKS,
+    DEFAULT_CENTROID_BLOCK,
+    DEFAULT_CENTROID_TYPE,
+    DEFAULT_KEEP,
+    DEFAULT_PIN,
+    DEFAULT_PREFILL_FROM,
+    DEFAULT_PREFILL_TOP_K,
+    DEFAULT_PREFILL_UBATCH,
+    DEFAULT_QUESTION,
+    DEFAULT_QUESTION_TOP_K,
+    DEFAULT_REGION,
+    DEFAULT_SHORTLIST,
+    DEFAULT_SINKS,
+    DEFAULT_TOP_K,
+    DEFAULT_WINDOW,
+    MAX_ANSWER_TOKENS,
+    MAX_CTX,
+    MAX_REGION,
+    MAX_SEED,
+    MAX_SHORTLIST,
+    MAX_SINKS,
+    MAX_THREADS,
+    MAX_TOP_K,
+    MAX_WINDOW,
+    MIN_CTX,
+    SHORTLIST_AUTO,
+)
+
+ROUTING = "Routing"  # --help panel of the decode route's tuning
+PREFILL = "Prefill"  # --help panel of the routed prefill's tuning
+
+# -- everyday -----------------------------------------------------------------------------------
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="Model alias (see `kvlocal models`) or a GGUF file.")]
+CtxOpt = Annotated[Optional[int], typer.Option(
+    "--ctx", min=MIN_CTX, max=MAX_CTX, help="Context tokens (default: fit the document).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", "-t", min=1, max=MAX_THREADS, help="CPU threads (default: all cores).")]
+KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16 or q8_0.")]
+MaxTokensOpt = Annotated[Optional[int], typer.Option(
+    "--max-tokens", "-n", min=1, max=MAX_ANSWER_TOKENS, help="Most answer tokens (eval: by task unless given).")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", help="0 answers greedily.")]
+NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Neither load nor save the document's KV state.")]
+RouteOpt = Annotated[str, typer.Option(
+    "--route", help="geometric (routed), full (dense), or the controls window and random.")]
+LengthsOpt = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k.")]
+OutOpt = Annotated[Optional[Path], typer.Option(
+    "--out", help="Where the results go (eval: a folder; bench: a JSON file).")]
+
+# -- routing and prefill tuning: each alias once, then the groups whose fields they are ---------
+
+SeedOpt = Annotated[int, typer.Option(
+    "--seed", min=0, max=MAX_SEED, rich_help_panel=ROUTING, help="Seed of sampling and of the random route.")]
+PrefillOpt = Annotated[str, typer.Option(
+    "--prefill", rich_help_panel=PREFILL, help="dense, or routed: from --prefill-from on, each ubatch reads only "
+    "the regions its queries choose (loads faster, may lose facts; its saved state is kept apart).")]
+
+
+def _shortlist_value(text: str) -> int:
+    """--shortlist: a number of regions, or auto (SHORTLIST_AUTO)."""
+    if isinstance(text, int):  # the default
+        return text
+    if text.strip().lower() == "auto":
+        return SHORTLIST_AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is neither a number of regions nor auto") from None
+    if not 0 <= value <= MAX_SHORTLIST:
+        raise typer.BadParameter(f"{value} is not between 0 and {MAX_SHORTLIST:,}")
+    return value
+
+
+TopKOpt = Annotated[int, typer.Option(
+    "--top-k", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
+    help="Regions each step reads per layer and KV head, besides the sinks and the window.")]
+RegionOpt = Annotated[int, typer.Option(
+    "--region", min=1, max=MAX_REGION, rich_help_panel=ROUTING, help=f"Tokens per region: a power of two up to {MAX_REGION}.")]
+WindowOpt = Annotated[int, typer.Option(
+    "--window", min=0, max=MAX_WINDOW, rich_help_panel=ROUTING, help="Recent tokens always read.")]
+SinksOpt = Annotated[int, typer.Option(
+    "--sinks", min=0, max=MAX_SINKS, rich_help_panel=ROUTING, help="First tokens always read.")]
+ShortlistOpt = Annotated[int, typer.Option(
+    "--shortlist", parser=_shortlist_value, metavar="N|auto", rich_help_panel=ROUTING,
+    show_default="auto" if DEFAULT_SHORTLIST == SHORTLIST_AUTO else str(DEFAULT_SHORTLIST),
+    help="Regions a coarse pass shortlists for the fine centroids to choose from; auto: an eighth of the "
+    "document's; 0: one pass over every fine centroid.")]
+KeepOpt = Annotated[float, typer.Option(
+    "--keep", min=0.0, max=0.999, rich_help_panel=ROUTING,
+    help="Share of its last score a region keeps at the next step (0: choose afresh).")]
+PinOpt = Annotated[int, typer.Option(
+    "--pin", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
+    help="Regions of --top-k the dense question pass keeps read for the whole answer.")]
+CentroidBlockOpt = Annotated[int, typer.Option(
+    "--centroid-block", min=0, max=max(CENTROID_BLOCKS), rich_help_panel=ROUTING,
+    help="Tokens per key centroid (0: none, every step reads densely).")]
+CentroidTypeOpt = Annotated[str, typer.Option(
+    "--centroid-type", rich_help_panel=ROUTING, help="Type of the key centroids: f16, or q8_0 (about half the bytes).")]
+QuestionPassOpt = Annotated[str, typer.Option(
+    "--question-pass", rich_help_panel=ROUTING,
+    help="How the question reads the document: dense (once, all of it), routed (once, --question-top-k "
+    "regions) or steps (token by token, like the answer).")]
+QuestionTopKOpt = Annotated[int, typer.Option(
+    "--question-top-k", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING, help="Regions a routed question pass reads.")]
+PrefillTopKOpt = Annotated[int, typer.Option(
+    "--prefill-top-k", min=1, max=MAX_TOP_K, rich_help_panel=PREFILL,
+    help="Regions a routed ubatch reads per layer and KV head (fewer: faster, more facts lost).")]
+PrefillFromOpt = Annotated[int, typer.Option(
+    "--prefill-from", min=0, max=MAX_CTX, rich_help_panel=PREFILL,
+    help="Tokens prefilled densely before a routed prefill starts routing.")]
+PrefillUbatchOpt = Annotated[int, typer.Option(
+    "--prefill-ubatch", min=1, max=MAX_CTX, rich_help_panel=PREFILL,
+    help="Tokens per routed ubatch (at most 512); its queries choose one set of regions.")]
+
+
+@dataclass(frozen=True)
+class RouteOptions:
+    """The decode route's tuning and the key centroids it scores regions by (the session keeps them)."""
+
+    top_k: TopKOpt = DEFAULT_TOP_K
+    region: RegionOpt = DEFAULT_REGION
+    window: WindowOpt = DEFAULT_WINDOW
+    sinks: SinksOpt = DEFAULT_SINKS
+    shortlist: ShortlistOpt = DEFAULT_SHORTLIST
+    keep: KeepOpt = DEFAULT_KEEP
+    pin: PinOpt = DEFAULT_PIN
+    centroid_block: CentroidBlockOpt = DEFAULT_CENTROID_BLOCK
+    centroid_type: CentroidTypeOpt = DEFAULT_CENTROID_TYPE
+    question_pass: QuestionPassOpt = DEFAULT_QUESTION
+    question_top_k: QuestionTopKOpt = DEFAULT_QUESTION_TOP_K
+
+    def config(self, mode: str, seed: int = 0):
+        """The core's RouteConfig of `mode` with these settings; UsageError (exit 2) unless the engine
+        can follow them with these centroids."""
+        from kvlocal.routing import RouteConfig, check_centroid_type, check_region_block
+
+        route = RouteConfig(mode=mode, region=self.region, top_k=self.top_k, window=self.window, sinks=self.sinks,
+                            seed=seed, shortlist=self.shortlist, keep=self.keep, question=self.question_pass,
+                            question_top_k=self.question_top_k, pin=self.pin)
+        check_region_block(self.region, self.centroid_block)
+        check_centroid_type(self.centroid_type)
+        return route
+
+
+@dataclass(frozen=True)
+class PrefillOptions:
+    """How a routed prefill reads the document (the mode, --prefill, is a command's own choice)."""
+
+    prefill_top_k: PrefillTopKOpt = DEFAULT_PREFILL_TOP_K
+    prefill_from: PrefillFromOpt = DEFAULT_PREFILL_FROM
+    prefill_ubatch: PrefillUbatchOpt = DEFAULT_PREFILL_UBATCH
+
+    def config(self, mode: str):
+        """The core's PrefillConfig of `mode` (dense or routed) with these settings."""
+        from kvlocal.routing import PrefillConfig
+
+        return PrefillConfig(mode=mode, top_k=self.prefill_top_k, start=self.prefill_from, ubatch=self.prefill_ubatch)
+
+
+OPTION_GROUPS = (RouteOptions, PrefillOptions)
+
+
+def option_groups(command):
+    """Command decorator: a parameter annotated with an option group (e.g. `routing: RouteOptions =
+    RouteOptions()`) is shown to typer as the group's fields, in its place; the command is called
+    with the group object built from them."""
+    signature = inspect.signature(command, eval_str=True)
+    params: list[inspect.Parameter] = []
+    groups: dict[str, tuple[type, list[str]]] = {}  # parameter -> (group, its field names)
+    for param in signature.parameters.values():
+        if param.annotation not in OPTION_GROUPS:
+            params.append(param)
+            continue
+        group = param.annotation
+        hints = inspect.get_annotations(group, eval_str=True)
+        fields = dataclasses.fields(group)
+        groups[param.name] = (group, [f.name for f in fields])
+        params += [inspect.Parameter(f.name, param.kind, annotation=hints[f.name], default=f.default) for f in fields]
+    names = [p.name for p in params]
+    assert len(names) == len(set(names)), f"{command.__name__}: a group's field shadows a parameter"
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        for name, (group, fields) in groups.items():
+            kwargs[name] = group(**{f: kwargs.pop(f) for f in fields if f in kwargs})
+        return command(*args, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}  # typer reads these as type hints
+    return wrapper
