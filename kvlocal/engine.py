@@ -108,12 +108,31 @@ def require_patched() -> EngineInfo:
     return info
 
 
-class RouteStatsC(ctypes.Structure):
-    """Mirror of struct llama_kv_route_stats (include/llama.h, patch 0005)."""
+class RouteParamsC(ctypes.Structure):
+    """Mirror of struct llama_kv_route_params (the patched include/llama.h; checked against it by
+    tests/test_engine_header.py)."""
 
     _fields_ = [
-        ("mode", ctypes.c_int32),
-        ("fallback", ctypes.c_int32),
+        ("mode", ctypes.c_int),  # enum llama_kv_route_mode
+        ("region_size", ctypes.c_int32),
+        ("top_k", ctypes.c_int32),
+        ("n_window", ctypes.c_int32),
+        ("n_sink", ctypes.c_int32),
+        ("seed", ctypes.c_uint32),
+        ("n_shortlist", ctypes.c_int32),
+        ("keep", ctypes.c_float),
+        ("top_k_batch", ctypes.c_int32),
+        ("n_pin", ctypes.c_int32),
+    ]
+
+
+class RouteStatsC(ctypes.Structure):
+    """Mirror of struct llama_kv_route_stats (the patched include/llama.h; checked against it by
+    tests/test_engine_header.py)."""
+
+    _fields_ = [
+        ("mode", ctypes.c_int),  # enum llama_kv_route_mode
+        ("fallback", ctypes.c_int),  # enum llama_kv_route_fallback
         ("n_layer", ctypes.c_int32),
         ("n_layer_routed", ctypes.c_int32),
         ("n_head_kv", ctypes.c_int32),
@@ -158,10 +177,10 @@ def route_api() -> ctypes.CDLL:
     if not hasattr(lib, "llama_kv_route_set"):
         raise EngineError(f"the installed engine has no routed attention; {BUILD_HINT}")
     ctx_p = ctypes.c_void_p
-    lib.llama_kv_route_set.argtypes = [ctx_p] + [ctypes.c_int32] * 5 + [ctypes.c_uint32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32, ctypes.c_int32]
+    lib.llama_kv_route_default_params.argtypes = []
+    lib.llama_kv_route_default_params.restype = RouteParamsC
+    lib.llama_kv_route_set.argtypes = [ctx_p, RouteParamsC]
     lib.llama_kv_route_set.restype = ctypes.c_int32
-    lib.llama_kv_route_set_pins.argtypes = [ctx_p, ctypes.c_int32]
-    lib.llama_kv_route_set_pins.restype = ctypes.c_int32
     lib.llama_kv_route_cent_blk.argtypes = [ctx_p]
     lib.llama_kv_route_cent_blk.restype = ctypes.c_int32
     lib.llama_kv_route_get_stats.argtypes = [ctx_p, ctypes.POINTER(RouteStatsC)]

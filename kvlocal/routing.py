@@ -44,6 +44,8 @@ from kvlocal.route_settings import (
 
 
 class RouteMode(IntEnum):
+    """enum llama_kv_route_mode (LLAMA_KV_ROUTE_<name>); tests/test_engine_header.py checks it against llama.h."""
+
     FULL = 0
     GEOMETRIC = 1
     WINDOW = 2
@@ -52,17 +54,33 @@ class RouteMode(IntEnum):
 
 MODE_NAMES = {mode.name.lower(): mode for mode in RouteMode}
 
+
+class Fallback(IntEnum):
+    """enum llama_kv_route_fallback (LLAMA_KV_ROUTE_<name>): why a ubatch was not routed; checked
+    against llama.h like RouteMode."""
+
+    OK = 0
+    MODE_FULL = 1
+    NO_CENTROIDS = 2
+    V_TRANS = 3
+    MODEL_FEATURE = 4
+    NOT_SUPPORTED = 5
+    BATCH_DENSE = 6
+    MULTI_SEQ = 7
+
+
 FALLBACK_REASONS = {
-    0: "",
-    1: "dense mode",
-    2: "the KV cache keeps no region centroids (several sequences, MLA, or a centroid block of 0)",
-    3: "the V cache is transposed (flash attention is off)",
-    4: "the model uses ALiBi, learned sinks, a KQ bias or logit soft-capping",
-    5: "the model's attention does not use the standard KV cache (e.g. recurrent or hybrid memory)",
-    6: "a batch of several tokens read densely",
+    Fallback.OK: "",
+    Fallback.MODE_FULL: "dense mode",
+    Fallback.NO_CENTROIDS: "the KV cache keeps no region centroids (several sequences, MLA, or a centroid block of 0)",
+    Fallback.V_TRANS: "the V cache is transposed (flash attention is off)",
+    Fallback.MODEL_FEATURE: "the model uses ALiBi, learned sinks, a KQ bias or logit soft-capping",
+    Fallback.NOT_SUPPORTED: "the model's attention does not use the standard KV cache (e.g. recurrent or hybrid memory)",
+    Fallback.BATCH_DENSE: "a batch of several tokens read densely",
+    Fallback.MULTI_SEQ: "a batch held tokens of several sequences",
 }
 # fallbacks that are a choice, not a limit of the model or the cache: not reported as a fallback
-CHOSEN_FALLBACKS = (0, 1, 6)
+CHOSEN_FALLBACKS = (Fallback.OK, Fallback.MODE_FULL, Fallback.BATCH_DENSE)
 
 
 def check_centroid_block(centroid_block: int) -> None:
@@ -165,13 +183,18 @@ class RouteConfig:
             n_tokens = module.llama_memory_seq_pos_max(module.llama_get_memory(ctx), 0) + 1
             shortlist = self.for_document(max(0, n_tokens)).shortlist
         api = route_api()
-        rc = api.llama_kv_route_set(
-            ctx, int(self.route_mode), self.region, self.top_k, self.window, self.sinks, self.seed & 0xFFFFFFFF,
-            shortlist, self.keep, 0, batch_top_k,  # 0: the engine's estimate of unread regions, retired
-        )
-        if rc == 0:
-            rc = api.llama_kv_route_set_pins(ctx, self.pins)
-        if rc != 0:
+        params = api.llama_kv_route_default_params()
+        params.mode = int(self.route_mode)
+        params.region_size = self.region
+        params.top_k = self.top_k
+        params.n_window = self.window
+        params.n_sink = self.sinks
+        params.seed = self.seed & 0xFFFFFFFF
+        params.n_shortlist = shortlist
+        params.keep = self.keep
+        params.top_k_batch = batch_top_k
+        params.n_pin = self.pins
+        if api.llama_kv_route_set(ctx, params) != 0:
             blk = api.llama_kv_route_cent_blk(ctx)
             raise UsageError(f"the engine rejected the routing settings {self} (centroid block {blk})")
 

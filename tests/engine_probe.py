@@ -31,10 +31,11 @@ class GraphRecorder:
 
 
 class RawContext:
-    """A model + context made with the C API directly, so that cb_eval can be set."""
+    """A model + context made with the C API directly, so that cb_eval can be set. The cache keeps
+    centroids of 16-cell blocks unless centroid_block says otherwise (None: the library default, none)."""
 
     def __init__(self, model_path: Path, n_ctx: int = 2048, kv_type: int = 1, recorder: GraphRecorder | None = None,
-                 centroid_block: int | None = None, centroid_type: int | None = None):
+                 centroid_block: int | None = 16, centroid_type: int | None = None):
         m = llama_cpp()
         mparams = m.llama_model_default_params()
         self.model = m.llama_model_load_from_file(str(model_path).encode(), mparams)

@@ -284,10 +284,11 @@ def test_invalid_route_settings_are_usage_errors(tiny_model):
 
 
 def test_centroid_block_is_a_context_parameter(tiny_model):
-    """llama_context_params.kv_centroid_block sets the cache's block (16 by default, 0 for none);
-    a value that is not a power of two up to 256 makes context creation fail."""
+    """llama_context_params.kv_centroid_block sets the cache's block (0, none, by default: the
+    summaries cost nothing unless asked for); a value that is not a power of two up to 256 makes
+    context creation fail."""
     api = route_api()
-    for block, want in ((None, 16), (8, 8), (0, 0)):
+    for block, want in ((None, 0), (16, 16), (8, 8), (0, 0)):
         raw = RawContext(tiny_model, n_ctx=2048, centroid_block=block)
         try:
             assert api.llama_kv_route_cent_blk(raw.ctx) == want
