@@ -72,7 +72,7 @@ class Fallback(IntEnum):
 FALLBACK_REASONS = {
     Fallback.OK: "",
     Fallback.MODE_FULL: "dense mode",
-    Fallback.NO_CENTROIDS: "the KV cache keeps no region centroids (several sequences, MLA, or a centroid block of 0)",
+    Fallback.NO_CENTROIDS: "the KV cache keeps no region centroids (several streams, MLA, or a centroid block of 0)",
     Fallback.V_TRANS: "the V cache is transposed (flash attention is off)",
     Fallback.MODEL_FEATURE: "the model uses ALiBi, learned sinks, a KQ bias or logit soft-capping",
     Fallback.NOT_SUPPORTED: "the model's attention does not use the standard KV cache (e.g. recurrent or hybrid memory)",
