@@ -191,15 +191,6 @@ def _document_set(documents: list[str], max_kv: str | None):
     return docs, limit
 
 
-def _check_set_fits(session, docs, limit: int | None, kv_type: str) -> None:
-    """The set's KV bytes, estimated from its characters and the model's header, against the limit:
-    refused in one line before any document is loaded."""
-    from kvlocal.docset import check_kv_limit, estimate_kv
-
-    check_kv_limit(estimate_kv(docs, session.model.info, kv_type, centroid_block=session.centroid_block,
-                               centroid_type=session.centroid_type), limit)
-
-
 def _load_set(session, docs, use_cache: bool, prefill=None):
     """Load a set through the library (one document: exactly `_load`), with a line per document."""
     from kvlocal.progress import StatusLine, prefill_text, set_summary
@@ -256,8 +247,7 @@ def ask(
     check_ask_settings(question, max_tokens, temperature, seed)
     docs, limit = _document_set(documents, max_kv)
     session = _open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type, library=True)
-    if len(docs.documents) > 1:  # one document is bounded by the model's trained context, as before
-        _check_set_fits(session, docs, limit, kv_type)
+    session.check_set_fits(docs.documents, limit)
     _load_set(session, docs.documents, not no_cache, prefill_cfg)
     tally = session.read_tally() if len(docs.documents) > 1 else None
     _stream_answer(session, question, tally=tally, route=route_cfg, max_tokens=max_tokens, temperature=temperature,

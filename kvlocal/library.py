@@ -126,6 +126,17 @@ class Library(Session):
 
     # -- loading a set --------------------------------------------------------------------------
 
+    def check_set_fits(self, documents: Sequence[Document], max_kv: int | None) -> None:
+        """ContextOverflowError, in one line, when a set of several documents is estimated (from its
+        characters and the model's header, before anything is loaded) to need more KV cache than
+        `max_kv`; one document is bounded by the model's trained context, as before."""
+        from kvlocal.docset import check_kv_limit, estimate_kv
+
+        if len(documents) > 1:
+            check_kv_limit(estimate_kv(list(documents), self.model.info, self.kv_type,
+                                       centroid_block=self.centroid_block, centroid_type=self.centroid_type), max_kv)
+
+
     def load_set(
         self,
         documents: Sequence[Document],

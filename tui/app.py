@@ -309,7 +309,7 @@ class KvlocalApp(App[None]):
 
     @work(thread=True, group="engine", exit_on_error=False)
     def _load_set_worker(self, paths: list[Path], cancel: threading.Event) -> None:
-        from kvlocal.docset import check_kv_limit, default_max_kv, estimate_kv, expand_documents
+        from kvlocal.docset import default_max_kv, expand_documents
 
         first = paths[0]
         try:
@@ -327,8 +327,7 @@ class KvlocalApp(App[None]):
             if cancel.is_set():
                 raise CancelledError("cancelled: the set was not loaded")
             limit = self.max_kv if self.max_kv is not None else default_max_kv()
-            check_kv_limit(estimate_kv(docs, session.model.info, session.kv_type, centroid_block=session.centroid_block,
-                                       centroid_type=session.centroid_type), limit)
+            session.check_set_fits(docs.documents, limit)
             result = session.load_set(docs.documents, progress=lambda p: self.post_message(PrefillProgressed(p)),
                                       cancel=cancel, prefill=self.prefill)
         except Exception as err:  # noqa: BLE001 - anything unexpected is shown, not raised
