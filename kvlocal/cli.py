@@ -247,7 +247,8 @@ def ask(
     check_ask_settings(question, max_tokens, temperature, seed)
     docs, limit = _document_set(documents, max_kv)
     session = _open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type, library=True)
-    session.check_set_fits(docs.documents, limit)
+    if len(docs.documents) > 1:  # one document: bounded by the trained context, and the single-document path
+        session.check_set_fits(docs.documents, limit)
     _load_set(session, docs.documents, not no_cache, prefill_cfg)
     tally = session.read_tally() if len(docs.documents) > 1 else None
     _stream_answer(session, question, tally=tally, route=route_cfg, max_tokens=max_tokens, temperature=temperature,
