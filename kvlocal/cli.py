@@ -13,10 +13,12 @@ import typer
 
 from kvlocal import __version__
 from kvlocal.cli_options import (
+    LIBRARY,
     PREFILL,
     CtxOpt,
     KvTypeOpt,
     LengthsOpt,
+    LibraryOpt,
     MaxKvOpt,
     MaxTokensOpt,
     ModelOpt,
@@ -58,6 +60,9 @@ app = typer.Typer(
 cache_app = typer.Typer(help="Saved KV states of prefilled documents.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
+
+DEFAULT_EVAL_LENGTHS = "4k,8k,16k,32k"  # the needle grid's (a --library set's documents default to 8k)
+DEFAULT_BENCH_LENGTHS = "8k,16k,32k"  # the single-document bench's (likewise)
 
 def err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
@@ -136,13 +141,18 @@ def _open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_
     return session
 
 
-def _load(session, text: str, label: str, use_cache: bool, prefill=None):
+def _load(session, text: str, label: str, use_cache: bool, prefill=None, document=None):
+    """Load one document (a library session given `document`: through load_set's single-document path,
+    which also knows its pages)."""
     from kvlocal.progress import StatusLine, load_summary, prefill_text
 
     line = StatusLine()
     try:
-        result = session.load_document(text, label=label, progress=lambda p: line.show(prefill_text(p)),
-                                       use_cache=use_cache, prefill=prefill)
+        progress = lambda p: line.show(prefill_text(p))  # noqa: E731
+        if document is not None:
+            result = session.load_set([document], progress=progress, use_cache=use_cache, prefill=prefill).single
+        else:
+            result = session.load_document(text, label=label, progress=progress, use_cache=use_cache, prefill=prefill)
     finally:
         line.done()
     if result.rebuilt_reason:
@@ -196,7 +206,7 @@ def _load_set(session, docs, use_cache: bool, prefill=None):
     from kvlocal.progress import StatusLine, prefill_text, set_summary
 
     if len(docs) == 1:
-        return _load(session, docs[0].text, docs[0].source, use_cache, prefill)
+        return _load(session, docs[0].text, docs[0].source, use_cache, prefill, document=docs[0])
     line = StatusLine()
     try:
         result = session.load_set(docs, progress=lambda p: line.show(prefill_text(p)),
@@ -250,7 +260,8 @@ def ask(
     if len(docs.documents) > 1:  # one document: bounded by the trained context, and the single-document path
         session.check_set_fits(docs.documents, limit)
     _load_set(session, docs.documents, not no_cache, prefill_cfg)
-    tally = session.read_tally() if len(docs.documents) > 1 else None
+    # a set, or one PDF: the reads by document (and page) after the answer
+    tally = session.read_tally() if len(docs.documents) > 1 or docs.documents[0].pages else None
     _stream_answer(session, question, tally=tally, route=route_cfg, max_tokens=max_tokens, temperature=temperature,
                    seed=seed)
     if docs.skipped:
@@ -448,7 +459,7 @@ def _lengths(text: str) -> list[int]:
 @option_groups
 def eval_(
     quick: Annotated[bool, typer.Option("--quick", help="A few minutes' check at 2k (passkey, two depths, top-4): geometric matches full, the controls fall below.")] = False,
-    lengths: LengthsOpt = "4k,8k,16k,32k",
+    lengths: LengthsOpt = DEFAULT_EVAL_LENGTHS,
     depths: Annotated[int, typer.Option("--depths", min=2, max=MAX_DEPTHS, help="Needle depths from 0% to 100%.")] = 11,
     tasks: Annotated[str, typer.Option("--tasks", help="passkey,multikey,lookalike,onekey,multivalue,multiquery,vartrack,cwe")] = "passkey",
     modes: Annotated[str, typer.Option("--modes", help="Routing modes to compare.")] = "full,geometric,window,random",
@@ -463,10 +474,17 @@ def eval_(
     routing: RouteOptions = RouteOptions(),
     prefill: PrefillOpt = DEFAULT_PREFILL,
     prefilling: PrefillOptions = PrefillOptions(),
+    library: LibraryOpt = "",
+    sets_per_seed: Annotated[int, typer.Option("--sets-per-seed", rich_help_panel=LIBRARY, min=1, max=40, help="Disjoint --library sets drawn from each seed's documents (the same fact sentence; more facts per seed without more seeds' shapes).")] = 1,
+    facts_per_doc: Annotated[int, typer.Option("--facts-per-doc", rich_help_panel=LIBRARY, min=1, max=8, help="Facts planted in each document of a --library set.")] = 2,
+    references: Annotated[str, typer.Option("--references", rich_help_panel=LIBRARY, help="What else the --library facts are asked of: alone (each fact of its own document, from its cached state), concat (the set prefilled as one document, where it fits the trained context; 32k: ~30 min on 2 cores), none.")] = "alone",
+    layout: Annotated[str, typer.Option("--layout", rich_help_panel=LIBRARY, help="A --library set's positions: auto (consecutive while the set fits the trained context, else parallel), consecutive or parallel.")] = "auto",
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
 
     Results are appended to OUT/results.jsonl as they come (a rerun resumes); the markdown table goes to stdout.
+    With --library N: look-alike facts (one sentence, one key word changed) spread over N documents, asked of
+    the set in every mode and of the references.
     """
     from kvlocal.errors import UsageError
     from kvlocal.evals import report
@@ -474,6 +492,12 @@ def eval_(
     from kvlocal.evals.tasks import TASKS
     from kvlocal.ingest import load_document
 
+    if library.strip():
+        if quick:
+            raise UsageError("--quick is the needle grid's check; leave out --library")
+        _eval_library(library, lengths, facts_per_doc, sets_per_seed, references, layout, modes, seeds, haystack, out,
+                      model, max_tokens, threads, routing)
+        return
     if quick:
         # a 2k context holds about 18 regions: with 4 routed ones geometric matches dense there and
         # the controls at the same budget miss needles outside the window (at 4k, top-4 does not
@@ -523,6 +547,48 @@ def eval_(
         if problems:
             raise typer.Exit(1)
         err("kvlocal: check passed: geometric matches full; window and random fall below on needles outside the window")
+
+
+def _eval_library(sizes: str, lengths: str, facts_per_doc: int, sets_per_seed: int, references: str, layout: str,
+                  modes: str, seeds: str, haystack: Path | None, out: Path, model, max_tokens, threads, routing) -> None:
+    """`kvlocal eval --library N`: see kvlocal/evals/library_runner.py."""
+    from kvlocal.errors import UsageError
+    from kvlocal.evals import library_report
+    from kvlocal.evals.library_cases import max_documents
+    from kvlocal.evals.library_runner import REFERENCES, LibraryConfig, run_library
+    from kvlocal.ingest import load_document
+
+    size_list = _bounded("--library", _ints(sizes), 1, max_documents(1))
+    for n in size_list:
+        if n * sets_per_seed > max_documents(facts_per_doc):
+            raise UsageError(f"--library {n} --sets-per-seed {sets_per_seed}: a seed has {max_documents(facts_per_doc)} "
+                             f"documents with {facts_per_doc} facts each")
+    refs = [r.strip() for r in references.split(",") if r.strip() and r.strip() != "none"]
+    unknown = [r for r in refs if r not in REFERENCES]
+    if unknown:
+        raise UsageError(f"--references: {', '.join(unknown)}; choose from {', '.join(REFERENCES)} or none")
+    if layout not in ("auto", "consecutive", "parallel"):
+        raise UsageError(f"--layout: {layout}; choose auto, consecutive or parallel")
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    for mode in mode_list:
+        routing.config(mode)
+    length_list = [8192] if lengths == DEFAULT_EVAL_LENGTHS else _lengths(lengths)
+    configs = [LibraryConfig(n, length_list, _ints(seeds), mode_list, route=routing.config(DEFAULT_MODE),
+                             references=refs, facts_per_doc=facts_per_doc, layout=None if layout == "auto" else layout,
+                             max_tokens=max_tokens, sets_per_seed=sets_per_seed) for n in size_list]
+    if not configs[0].seeds:
+        raise UsageError("--seeds names no seed")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder")
+    filler = load_document(haystack).text if haystack else None
+    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type, library=True)
+    session.check_composable()
+    _check_lengths_fit(session, length_list)
+    for config in configs:
+        rows = run_library(session, config, out / "results.jsonl", filler=filler, haystack_name=str(haystack or ""),
+                           log=lambda line: err(f"kvlocal: {line}"))
+    rows = [r for r in rows if r.get("n_documents") in (None, *size_list) and r.get("length") in (None, *length_list)]
+    print(library_report.markdown(library_report.summarize(rows)))
 
 
 def _lab_captures(out: Path, lengths: list[int], tasks: list[str], seeds: list[int], depth_list: list[float],
@@ -669,7 +735,7 @@ def lab(
 @handles_errors
 @option_groups
 def bench(
-    lengths: LengthsOpt = "8k,16k,32k",
+    lengths: LengthsOpt = DEFAULT_BENCH_LENGTHS,
     tokens: Annotated[int, typer.Option("--tokens", min=1, max=MAX_ANSWER_TOKENS, help="Answer tokens timed per run.")] = 48,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
@@ -678,6 +744,7 @@ def bench(
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
     prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", rich_help_panel=PREFILL, help="Lengths prefilled twice, dense then routed, neither from the cache; none: skip (32k dense: ~30 min on 2 cores).")] = "8k,16k,32k",
     prefilling: PrefillOptions = PrefillOptions(),
+    library: LibraryOpt = "",
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
     import json
@@ -688,6 +755,9 @@ def bench(
     from kvlocal.units import human_bytes
 
     route = routing.config("geometric")
+    if library.strip():
+        _bench_library(library, lengths, tokens, model, threads, out, routing, route)
+        return
     context_lengths = _lengths(lengths)
     prefill_context = [] if prefill_lengths.strip().lower() == "none" else _lengths(prefill_lengths)
     prefill_cfg = prefilling.config("routed")
@@ -736,6 +806,49 @@ def bench(
     if upkeep:
         u = report["centroid_upkeep"]
         print(f"centroid upkeep: prefill {u['with_s']:.1f} s with vs {u['without_s']:.1f} s without = {u['share']:.1%} of prefill")
+    if out:
+        write_text_atomic(out, json.dumps(report, indent=2))
+
+
+def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: Path | None, routing, route) -> None:
+    import json
+
+    from kvlocal.atomic import write_text_atomic
+    from kvlocal.errors import UsageError
+    from kvlocal.evals import bench as b
+    from kvlocal.evals.library_cases import max_documents
+    from kvlocal.units import human_bytes
+
+    size_list = _bounded("--library", _ints(sizes), 1, max_documents(1))
+    length_list = [8192] if lengths == DEFAULT_BENCH_LENGTHS else _lengths(lengths)
+    if len(length_list) != 1:
+        raise UsageError("--library benches one document length at a time; give one --lengths")
+    if out:
+        _check_out_file(out)
+    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type, library=True)
+    session.check_composable()
+    _check_lengths_fit(session, length_list)
+    log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
+    results = b.bench_library(session, size_list, length_list[0], route, n_tokens=tokens, log=log)
+    report = {
+        "model": session.model.alias or str(session.model.path), "threads": session.threads, "route": route.describe(),
+        "library": [{"n_documents": r.n_documents, "length": r.length, "n_cells": r.n_cells, "layout": r.layout,
+                     "ready_s": r.ready_s, "kv_bytes": r.kv_bytes, "full_tps": r.runs["full"].rate,
+                     "geometric_tps": r.runs["geometric"].rate, "speedup": r.speedup,
+                     "bytes_reduction": r.runs["geometric"].bytes_dense / max(1, r.runs["geometric"].bytes_read)}
+                    for r in results],
+        "peak_rss_bytes": b.peak_rss_bytes(),
+    }
+    session.close()
+    print(f"model {report['model']}, {report['threads']} threads, route {report['route']}")
+    print("| set | cells | layout | KV bytes | ready from the cache | full tok/s | geometric tok/s | speedup "
+          "| KV bytes read, reduction |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in report["library"]:
+        print(f"| {r['n_documents']} x {r['length'] // 1024}k | {r['n_cells']:,} | {r['layout']} | {human_bytes(r['kv_bytes'])} "
+              f"| {r['ready_s']:.1f} s | {r['full_tps']:.2f} | {r['geometric_tps']:.2f} | {r['speedup']:.2f}x "
+              f"| {r['bytes_reduction']:.1f}x |")
+    print(f"peak RSS: {human_bytes(report['peak_rss_bytes'])}")
     if out:
         write_text_atomic(out, json.dumps(report, indent=2))
 

@@ -51,6 +51,7 @@ from kvlocal.route_settings import (
 
 ROUTING = "Routing"  # --help panel of the decode route's tuning
 PREFILL = "Prefill"  # --help panel of the routed prefill's tuning
+LIBRARY = "Library"  # --help panel of the library evaluation and bench
 
 # -- everyday -----------------------------------------------------------------------------------
 
@@ -71,6 +72,11 @@ MaxKvOpt = Annotated[Optional[str], typer.Option(
 RouteOpt = Annotated[str, typer.Option(
     "--route", help="geometric (routed), full (dense), or the controls window and random.")]
 LengthsOpt = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k.")]
+LibraryOpt = Annotated[str, typer.Option(
+    "--library", rich_help_panel=LIBRARY, metavar="N[,N...]",
+    help="Library sets of N documents each (e.g. 4 or 4,16; each document of --lengths tokens, default 8k): "
+         "look-alike facts spread over the documents of a set, loaded as one cache (`kvlocal eval --library`, "
+         "`kvlocal bench --library`).")]
 OutOpt = Annotated[Optional[Path], typer.Option(
     "--out", help="Where the results go (eval: a folder; bench: a JSON file).")]
 

@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 import zipfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import BinaryIO
@@ -64,11 +64,14 @@ _EPUB_ERRORS = (
 
 @dataclass(frozen=True)
 class Document:
-    """Extracted text of one document."""
+    """Extracted text of one document. `pages`: for a PDF, the offset in `text` where each page starts
+    (page 1 first; an empty page starts where the next page's text does); empty for other kinds. It is
+    derived from the text, so two documents are equal by their text, source and kind alone."""
 
     text: str
     source: str
     kind: str
+    pages: tuple[int, ...] = field(default=(), compare=False)
 
 
 def load_document(source: str | os.PathLike[str], *, stdin: BinaryIO | None = None) -> Document:
@@ -81,12 +84,17 @@ def load_document(source: str | os.PathLike[str], *, stdin: BinaryIO | None = No
         kind, data = _read_file(Path(source), name)
     if not data or data.isspace():
         raise DocumentError(f"{name} is empty")
-    text = _EXTRACTORS[kind](data, name)
+    pages: list[str] = []
+    if kind == "pdf":
+        pages = _pdf_pages(data, name)
+        text = _PAGE_SEPARATOR.join(pages)
+    else:
+        text = _EXTRACTORS[kind](data, name)
     _check_text_size(len(text), name)
     text = normalize_text(text)
     if not text:
         raise DocumentError(_no_text_message(name, kind))
-    return Document(text=text, source=name, kind=kind)
+    return Document(text=text, source=name, kind=kind, pages=page_starts(text, pages))
 
 
 def sniff_kind(data: bytes) -> str:
@@ -233,7 +241,15 @@ def _no_text_message(name: str, kind: str) -> str:
 # -- PDF --------------------------------------------------------------------
 
 
+_PAGE_SEPARATOR = "\n\n"  # between a PDF's pages
+
+
 def _pdf_text(data: bytes, name: str) -> str:
+    return _PAGE_SEPARATOR.join(_pdf_pages(data, name))
+
+
+def _pdf_pages(data: bytes, name: str) -> list[str]:
+    """The text of each page, stripped."""
     try:
         pdf = pdfium.PdfDocument(data)
     except pdfium.PdfiumError as err:
@@ -242,13 +258,37 @@ def _pdf_text(data: bytes, name: str) -> str:
         pages, n_chars = [], 0
         for page in pdf:
             pages.append(_page_text(page))
-            n_chars += len(pages[-1]) + 2
+            n_chars += len(pages[-1]) + len(_PAGE_SEPARATOR)
             _check_text_size(n_chars, name)
-        return "\n\n".join(pages)
+        return pages
     except pdfium.PdfiumError:
         raise DocumentError(f"{name} is not a readable PDF (damaged or truncated)") from None
     finally:
         pdf.close()
+
+
+def page_starts(text: str, pages: list[str]) -> tuple[int, ...]:
+    """Where each of `pages` starts in `text`, their normalized join (`normalize_text` works line by
+    line, so each page's normalized text appears in it whole, in order). An empty page starts where
+    the next page with text does (or at the end); a page not found (not expected) where the one
+    before it ended."""
+    starts: list[int | None] = []
+    cursor = 0
+    for page in pages:
+        norm = normalize_text(page)
+        if not norm:
+            starts.append(None)
+            continue
+        at = text.find(norm[:200], cursor)
+        at = cursor if at < 0 else at
+        starts.append(at)
+        cursor = min(len(text), at + len(norm))
+    following = len(text)
+    for i in range(len(starts) - 1, -1, -1):
+        if starts[i] is None:
+            starts[i] = following
+        following = starts[i]
+    return tuple(starts)  # type: ignore[arg-type]
 
 
 def _page_text(page: pdfium.PdfPage) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,16 @@ class DocumentSpan:
     end: int  # one past its last cell, padding included
     n_tokens: int  # the body's own tokens (no padding)
     position: int  # the position of its first token
+    # the cell where each page starts (page 1 first), for a document that has pages (a PDF); within a
+    # few tokens (see Library._page_tokens); empty for the other kinds
+    pages: tuple[int, ...] = ()
+
+    def page_at(self, cell: int) -> int | None:
+        """The page (1-based) of this document that holds `cell`; None without pages or outside the span.
+        The padding after the body counts to the last page, as SetReads counts it."""
+        if not self.pages or not self.start <= cell < self.end:
+            return None
+        return max(1, bisect.bisect_right(self.pages, cell))
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,11 @@ class Library(Session):
         self.layout = ""
         self._cell_tokens: list[int] = []  # the prefix's tokens in cell order (for region text)
 
+    def load_document(self, *args, **kwargs) -> LoadResult:
+        """Session.load_document; the set held before (its spans and cell tokens) is gone with it."""
+        self.spans, self.layout, self._cell_tokens = (), "", []
+        return super().load_document(*args, **kwargs)
+
     # -- checks ---------------------------------------------------------------------------------
 
     def check_composable(self) -> None:
@@ -150,16 +166,20 @@ class Library(Session):
     ) -> SetLoad:
         """Load `documents` as one cache. One document takes the single-document path. `layout`
         forces consecutive or parallel positions (None: consecutive while the set fits the trained
-        context). `log` gets a line as each document is prefilled or loaded."""
+        context); given with one document, that document's cached body is assembled as a set's is
+        (what `kvlocal eval --library` asks a fact of its document alone with). `log` gets a line as
+        each document is prefilled or loaded."""
         if not documents:
             raise UsageError("no documents to load")
-        if len(documents) == 1:
+        if len(documents) == 1 and layout is None:
             doc = documents[0]
             result = self.load_document(doc.text, label=doc.source, progress=progress, cancel=cancel,
                                         use_cache=use_cache, prefill=prefill)
             head = len(self.tokenize_prompt([Segment(self.parts.head, True)], bos=True))
-            body = len(self.tokenize(self.parts.document, bos=False))
-            self.spans = (DocumentSpan(doc.source, head, head + body, body, head),)
+            tokens = self.tokenize(self.parts.document, bos=False)  # the text stripped, as a set's body is
+            body = len(tokens)
+            pages = tuple(head + i for i in self._page_tokens(doc, tokens))
+            self.spans = (DocumentSpan(doc.source, head, head + body, body, head, pages),)
             self.layout = "single"
             self._cell_tokens = []
             load = BodyLoad(doc.source, result.n_tokens, result.cache_hit, result.seconds, result.saved,
@@ -179,8 +199,11 @@ class Library(Session):
         self.parts = build_prompt("", self.chat_template, model_name=self.model.path.name)
         head = self._padded(self.tokenize_prompt([Segment(self.parts.head, True)], bos=True))
         middle = self.tokenize_prompt([Segment(self.parts.middle, True)], bos=False)
-        bodies = [self._padded(self.tokenize(doc.text.strip(), bos=False)) for doc in documents]
-        n_body = [len(self.tokenize(doc.text.strip(), bos=False)) for doc in documents]
+        body_tokens = [self.tokenize(doc.text.strip(), bos=False) for doc in documents]
+        bodies = [self._padded(tokens) for tokens in body_tokens]
+        n_body = [len(tokens) for tokens in body_tokens]
+        page_tokens = [self._page_tokens(doc, tokens) for doc, tokens in zip(documents, body_tokens)]
+        del body_tokens
         longest = max(len(b) for b in bodies)
         if len(head) + longest + ANSWER_RESERVE > self.trained_ctx:
             i = max(range(len(bodies)), key=lambda j: len(bodies[j]))
@@ -253,7 +276,8 @@ class Library(Session):
                     module.llama_memory_seq_add(mem, STAGING_SEQ, -1, -1, shift)
                 module.llama_memory_seq_cp(mem, STAGING_SEQ, QUESTION_SEQ, -1, -1)
                 module.llama_memory_seq_rm(mem, STAGING_SEQ, -1, -1)
-                spans.append(DocumentSpan(doc.source, cell, cell + len(bodies[i]), n_body[i], position))
+                spans.append(DocumentSpan(doc.source, cell, cell + len(bodies[i]), n_body[i], position,
+                                          tuple(cell + t for t in page_tokens[i])))
                 cell += len(bodies[i])
                 if layout == "consecutive":
                     position += len(bodies[i])
@@ -279,6 +303,40 @@ class Library(Session):
         self._cell_tokens = head + [t for body in bodies for t in body] + middle
         return SetLoad(tuple(loads), self.spans, layout, n_cells, self.n_prefix, n_ctx, end - start,
                        end - ready_start + sum(d.seconds for d in loads if d.cache_hit))
+
+    def _page_tokens(self, doc: Document, tokens: list[int]) -> tuple[int, ...]:
+        """The index in `tokens` (`doc.text.strip()` tokenized) of the token where each of the
+        document's pages starts; () for a document without pages.
+
+        Found from the tokens' byte lengths (one piece per distinct token, from the vocabulary): the
+        page's first byte lies in that token. Exact for a byte-level BPE vocabulary (Qwen's), whose
+        pieces concatenate to the text; a token that reaches over a page break (the break's newlines
+        merged with the next page's first word) is the next page's. Approximate by a few tokens where the
+        pieces differ from the text (a leading-space vocabulary): enough to name the page a read lies in."""
+        pages = getattr(doc, "pages", ())
+        if not pages or not tokens:
+            return ()
+        text = doc.text
+        body = text.strip()
+        lead = len(text) - len(text.lstrip())
+        # each page's start as a byte offset in the body's UTF-8
+        starts: list[int] = []
+        char = byte = 0
+        for offset in pages:
+            at = min(max(offset - lead, char), len(body))
+            byte += len(body[char:at].encode())
+            char = at
+            starts.append(byte)
+        module = llama_cpp()
+        vocab = module.llama_model_get_vocab(self._vocab_llm.model)
+        buf = ctypes.create_string_buffer(256)
+        sizes: dict[int, int] = {}
+        for token in set(tokens):
+            sizes[token] = abs(module.llama_token_to_piece(vocab, token, buf, len(buf), 0, False))
+        ends = np.cumsum(np.fromiter((sizes[t] for t in tokens), np.int64, len(tokens)))
+        # token i holds bytes [ends[i-1], ends[i]): the first token ending past the page's first byte
+        found = np.searchsorted(ends, np.array(starts, np.int64), side="right")
+        return tuple(int(min(i, len(tokens))) for i in found)
 
     def _padded(self, tokens: list[int]) -> list[int]:
         pad = -len(tokens) % LAYOUT_UNIT
@@ -362,11 +420,15 @@ def span_at(spans: Sequence[DocumentSpan], cell: int) -> DocumentSpan | None:
 class SetReads:
     """KV rows (one cell of one KV head) that answer steps read, by where they sit: each document,
     the template head before the first one, and the rest (the middle, the question and the answer).
-    The parts add up to `total`, which is the engine's own `rows_read` summed over the steps."""
+    The parts add up to `total`, which is the engine's own `rows_read` summed over the steps.
+
+    A document with pages also has its rows by page (`pages[i][j]`: page j + 1 of document i), which add
+    up to its count: the body's padding counts to the last page, as DocumentSpan.page_at says."""
 
     spans: Sequence[DocumentSpan]
     prefix_cells: int
     documents: list[int] = field(default_factory=list)
+    pages: list[list[int]] = field(default_factory=list)
     head: int = 0
     rest: int = 0
     steps: int = 0
@@ -374,6 +436,9 @@ class SetReads:
 
     def __post_init__(self) -> None:
         self.documents = [0] * len(self.spans)
+        self.pages = [[0] * len(span.pages) for span in self.spans]
+        # each paged document's page boundaries: page j is cells [bounds[j], bounds[j + 1])
+        self._bounds = [[span.start, *span.pages[1:], span.end] if span.pages else [] for span in self.spans]
 
     @property
     def total(self) -> int:
@@ -403,11 +468,34 @@ class SetReads:
         in_docs = 0
         for i, span in enumerate(spans):
             cells = max(0, min(hi, span.end) - max(lo, span.start))
+            if not cells:
+                continue
             self.documents[i] += times * cells
             in_docs += cells
+            if span.pages:
+                self._add_pages(i, max(lo, span.start), min(hi, span.end), times)
         self.head += times * head
         # the rest: the middle, the question and the answer, and the empty cells of a padded view
         self.rest += times * (hi - lo - head - in_docs)
+
+    def _add_pages(self, i: int, lo: int, hi: int, times: int) -> None:
+        """Count cells [lo, hi) of document i's span by page."""
+        bounds, counts = self._bounds[i], self.pages[i]
+        j = max(0, bisect.bisect_right(bounds, lo) - 1)
+        while j < len(counts) and bounds[j] < hi:
+            cells = max(0, min(hi, bounds[j + 1]) - max(lo, bounds[j]))
+            counts[j] += times * cells
+            j += 1
+
+    def top_pages(self, i: int, limit: int = 3) -> list[int]:
+        """The most-read pages (1-based, in page order) of document i: those read at least half as
+        much as its most-read page, at most `limit`; [] for a document without pages or one page."""
+        counts = self.pages[i]
+        if len(counts) < 2 or not max(counts):
+            return []
+        ranked = sorted(range(len(counts)), key=lambda j: (-counts[j], j))
+        most = counts[ranked[0]]
+        return sorted(j + 1 for j in ranked[:limit] if 2 * counts[j] >= most)
 
     def shares(self) -> list[tuple[str, float]]:
         """(document, share of the reads that fell in documents), most-read first."""
@@ -417,15 +505,28 @@ class SetReads:
         ranked = sorted(zip((s.label for s in self.spans), self.documents), key=lambda item: -item[1])
         return [(label, n / in_docs) for label, n in ranked if n]
 
-    def describe(self, limit: int = 8) -> str:
-        """One line: the documents the reads came from, most-read first."""
-        shares = self.shares()
-        if not self.steps or not shares:
+    def describe(self, limit: int = 8, *, pages: int = 3, rest: bool = True, basename: bool = False) -> str:
+        """One line: the documents the reads came from, most-read first, with the most-read pages of
+        those that have pages (when routing chose what to read), then (`rest`) the shares of the
+        template head and of the question and answer. `basename`: documents by file name, not path."""
+        in_docs = sum(self.documents)
+        if not self.steps or not in_docs:
             return "reads by document: none"
-        parts = [f"{label} {share:.0%}" for label, share in shares[:limit]]
-        if len(shares) > limit:
-            parts.append(f"{len(shares) - limit} more")
-        total = max(1, self.total)
+        ranked = sorted((i for i, n in enumerate(self.documents) if n), key=lambda i: -self.documents[i])
+        parts = []
+        for i in ranked[:limit]:
+            label = self.spans[i].label
+            part = f"{os.path.basename(label) or label if basename else label} {self.documents[i] / in_docs:.0%}"
+            top = self.top_pages(i, pages) if self.routed_steps and pages else []
+            if top:
+                part += f" (most on {'p.' if len(top) == 1 else 'pp.'} {', '.join(map(str, top))})"
+            parts.append(part)
+        if len(ranked) > limit:
+            parts.append(f"{len(ranked) - limit} more")
         note = "" if self.routed_steps else " (dense: every step read every document)"
-        return (f"reads by document: {', '.join(parts)}{note}; of all rows read, the template head "
-                f"{self.head / total:.0%}, the question and answer {self.rest / total:.0%}")
+        line = f"reads by document: {', '.join(parts)}{note}"
+        if not rest:
+            return line
+        total = max(1, self.total)
+        return (f"{line}; of all rows read, the template head {self.head / total:.0%}, the question and answer "
+                f"{self.rest / total:.0%}")

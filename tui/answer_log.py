@@ -82,6 +82,7 @@ class AnswerEntry(Vertical):
         self.route = route
         self.reads: ReadMap | None = None
         self.summary: Any = None  # kvlocal.session.AnswerSummary once finished
+        self.reads_by_document = ""  # in a set: which documents (and pages) the answer read, once finished
         self.text = ""
         self.done = False
         self._stream: MarkdownStream | None = None
@@ -103,15 +104,19 @@ class AnswerEntry(Vertical):
             self._stream = Markdown.get_stream(self.markdown)
         await self._stream.write(fragment)
 
-    async def finish(self, meta: str, *, error: bool = False) -> None:
+    async def finish(self, meta: str, *, error: bool = False, reads_by_document: str = "") -> None:
+        """The answer is done: `meta` replaces "answering…"; `reads_by_document` (a set's) goes below it."""
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
         if not self.text.strip() and not error:
             await self.markdown.update("*(no answer tokens)*")
-        self.done = True
         meta_widget = self.query_one("#meta", Static)
         meta_widget.update(Text(meta, style="red" if error else ""))
+        if reads_by_document:
+            self.reads_by_document = reads_by_document
+            await self.mount(Static(Text(reads_by_document), classes="meta", id="reads-by-document"), after=meta_widget)
+        self.done = True  # last: the app shows the entry's reads right after, with no await between
 
     def on_click(self, event: Click) -> None:
         if self.done:

@@ -490,23 +490,29 @@ class KvlocalApp(App[None]):
         entry = self.log_widget.add_entry(entry_id, question, route)
         self.live_entry = entry
         self.live = LiveAnswer(self.session.n_layer, self.document.n_ctx, self._prefix_cells(), route.region)
+        # a set's answer also says which documents (and pages) it read
+        tally = self.session.read_tally() if self._is_set() and hasattr(self.session, "read_tally") else None
         self.shown_entry = None
         self.log_widget.mark_selected(None)
         self.heatmap.set_reads(self.live.reads())
         self.counters.show_idle("decoding the question…")
         self.busy = "answer"
         self._cancel = threading.Event()
-        self._ask_worker(self.session, question, route, self.live, entry_id, self._cancel)
+        self._ask_worker(self.session, question, route, self.live, entry_id, self._cancel, tally)
         if self._drain_timer is not None:
             self._drain_timer.resume()
         return True
 
     @work(thread=True, group="engine", exit_on_error=False)
-    def _ask_worker(self, session, question: str, route: RouteConfig, live: LiveAnswer, entry_id: int, cancel) -> None:
+    def _ask_worker(self, session, question: str, route: RouteConfig, live: LiveAnswer, entry_id: int, cancel,
+                    tally=None) -> None:
+        """`tally`: a set's SetReads (kvlocal.library), counting each step's reads by document."""
         try:
             answer = session.ask(question, route=route, max_tokens=self.max_tokens, want_regions=True, cancel=cancel)
             for piece in answer:
                 live.add(piece)
+                if tally is not None:
+                    tally.add(piece.stats)
             summary = answer.summary()
         except KvlocalError as err:
             self.post_message(AnswerFailed(entry_id, str(err)))
@@ -514,7 +520,8 @@ class KvlocalApp(App[None]):
         except Exception as err:  # noqa: BLE001
             self.post_message(AnswerFailed(entry_id, f"{type(err).__name__}: {err}"))
             return
-        self.post_message(AnswerFinished(entry_id, summary, cancel.is_set()))
+        by_document = tally.describe(4, rest=False, basename=True) if tally is not None and tally.steps else ""
+        self.post_message(AnswerFinished(entry_id, summary, cancel.is_set(), by_document))
 
     async def _drain_live(self) -> None:
         """Timer: move what the worker decoded since the last tick into the widgets."""
@@ -552,7 +559,7 @@ class KvlocalApp(App[None]):
             parts.append("stopped")
         if summary.fallback:
             parts.append(f"dense fallback: {summary.fallback}")
-        await entry.finish(" · ".join(parts))
+        await entry.finish(" · ".join(parts), reads_by_document=message.reads_by_document)
         self._show_entry(entry, select=False)
 
     async def on_answer_failed(self, message: AnswerFailed) -> None:
@@ -609,13 +616,31 @@ class KvlocalApp(App[None]):
         else:
             self._refresh_region_view()
 
+    def _is_set(self) -> bool:
+        return self.document is not None and bool(self.document.documents)
+
+    def _where_in_set(self, region: int) -> str:
+        """In a set: the document (and page, where known) that region `region` lies in; "" otherwise."""
+        if not self._is_set() or not hasattr(self.session, "document_at"):
+            return ""
+        cell = region * self.route.region
+        span = self.session.document_at(cell)
+        if span is None:
+            return ""
+        name = Path(span.label).name
+        first = span.page_at(cell) if hasattr(span, "page_at") else None
+        if first is None:
+            return name
+        last = span.page_at(min(cell + self.route.region, span.end) - 1) or first
+        return f"{name} p. {first}" if last == first else f"{name} pp. {first}–{last}"
+
     def _source_snippet(self, region: int) -> str:
-        """A region's text for the sources list; in a set, after the name of the document it lies in."""
+        """A region's text for the sources list; in a set, after the name of the document it lies in
+        (and its page, for a PDF)."""
         text = _one_line(self.region_text(region))
-        if self.document is not None and self.document.documents and hasattr(self.session, "document_at"):
-            span = self.session.document_at(region * self.route.region)
-            if span is not None:
-                text = f"[{Path(span.label).name}] {text}"
+        where = self._where_in_set(region)
+        if where:
+            text = f"[{where}] {text}"
         return text[:120]
 
     @on(OptionList.OptionHighlighted, "#sources")
@@ -656,7 +681,7 @@ class KvlocalApp(App[None]):
         if region < n_sink:
             where = "sink"
         elif region < reads.doc_regions:
-            where = "document"
+            where = self._where_in_set(region) or "document"
         else:
             where = "question/answer"
         view.show_region(

@@ -94,11 +94,12 @@ class DocumentFailed(Message):
 
 
 class AnswerFinished(Message):
-    def __init__(self, entry_id: int, summary: Any, cancelled: bool) -> None:  # kvlocal.session.AnswerSummary
-        super().__init__()
+    def __init__(self, entry_id: int, summary: Any, cancelled: bool, reads_by_document: str = "") -> None:
+        super().__init__()  # summary: kvlocal.session.AnswerSummary
         self.entry_id = entry_id
         self.summary = summary
         self.cancelled = cancelled
+        self.reads_by_document = reads_by_document  # a set's one-line read summary (SetReads.describe)
 
 
 class AnswerFailed(Message):

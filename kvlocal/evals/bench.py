@@ -139,3 +139,46 @@ def centroid_upkeep_share(model: str | None, text: str, threads: int | None, cen
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class SetBench:
+    """A library set readied from its cached bodies, then decoded full and geometric back to back."""
+
+    n_documents: int
+    length: int  # each document's context length
+    n_cells: int
+    layout: str
+    ready_s: float  # state loads, shifts and centroids, in a fresh context (no prefill)
+    kv_bytes: int
+    runs: dict[str, DecodeRun] = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        full, geo = self.runs.get("full"), self.runs.get("geometric")
+        return geo.rate / full.rate if full and geo and full.rate else 0.0
+
+
+def bench_library(session, sizes: list[int], length: int, route: RouteConfig, *, n_tokens: int = 48,
+                  repeats: int = 1, log: Callable[[str], None] = print) -> list[SetBench]:
+    """For each set size: the eval's seed-0 library set (`kvlocal eval --library`), its missing bodies
+    prefilled and cached first, then readied from the cache in a fresh context and decoded."""
+    from kvlocal.evals.library_runner import LibraryConfig, make_set_case
+
+    results = []
+    for n in sizes:
+        case = make_set_case(session, LibraryConfig(n, [length], [0], ["full"]), length, 0, None)
+        first = session.load_set(case.documents, log=log)
+        if first.cache_hits < len(first.documents):
+            log(f"bench library {n}: {len(first.documents) - first.cache_hits} bodies prefilled and cached")
+        session.unload()
+        loaded = session.load_set(case.documents)
+        res = SetBench(n, length, loaded.n_cells, loaded.layout, loaded.ready_seconds, session.kv_bytes())
+        log(f"bench library {n} x {length}: {loaded.n_cells:,} cells ({loaded.layout}), ready in {loaded.ready_seconds:.1f} s")
+        question = "Write a detailed summary of the documents, one by one."
+        for mode in ("full", "geometric"):
+            r = route if mode == "geometric" else RouteConfig(mode="full", question=route.question)
+            res.runs[mode] = _decode(session, question, r, n_tokens, repeats)
+            log(f"  {mode:<9} {res.runs[mode].rate:6.2f} tok/s over {res.runs[mode].tokens} tokens")
+        results.append(res)
+    return results

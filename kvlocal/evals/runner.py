@@ -126,7 +126,12 @@ def load_rows(path: Path) -> list[dict]:
 
 
 def append_row(path: Path, row: dict) -> None:
-    with open(path, "a") as fh:
+    with open(path, "a+") as fh:
+        if fh.tell() > 0:  # a line an interrupt cut short ends here: the new row starts on its own line
+            fh.seek(fh.tell() - 1)
+            last = fh.read(1)
+            if last != "\n":
+                fh.write("\n")
         fh.write(json.dumps(row) + "\n")
         fh.flush()
 

@@ -1,0 +1,111 @@
+"""The summary of `kvlocal eval --library` rows: accuracy per set size, reference and mode with 95 %
+intervals, reads per answer step, where the reads fell, and how long a cached set takes to ready.
+
+`python -m kvlocal.evals.library_report OUT/results.jsonl` prints it again from kept rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean, median
+
+from kvlocal.evals.library_runner import ALONE, CONCAT, SET, load_rows
+from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction
+
+REFERENCE_RANK = {SET: 0, ALONE: 1, CONCAT: 2}
+
+
+def summarize(rows: list[dict]) -> dict:
+    answers = [r for r in rows if r["kind"] == "answer"]
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in answers:
+        groups[(r["n_documents"], r["length"], r["reference"], r["mode"], r["top_k"] if r["mode"] != "full" else 0,
+                r.get("haystack", ""))].append(r)
+    cells = []
+    for (n_docs, length, reference, mode, top_k, haystack), group in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][5], REFERENCE_RANK.get(kv[0][2], 9),
+                                            _mode_rank(kv[0][3]), kv[0][4])):
+        shares = [r["fact_document_share"] for r in group if r.get("fact_document_share") is not None]
+        cells.append({
+            "n_documents": n_docs, "length": length, "haystack": haystack, "reference": reference, "mode": mode,
+            "top_k": top_k or None, "seeds": sorted({r["seed"] for r in group}),
+            **_accuracy(group),
+            "answer_reduction": mean(answer_reduction(r) for r in group),
+            "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in group if r["bytes_read"]),
+            "fact_document_share": mean(shares) if shares else None,
+            "decode_tps": median(r["decode_tps"] for r in group),
+            "n_tokens": round(mean(r["n_tokens"] for r in group)),
+            "layout": sorted({r["layout"] for r in group}),
+        })
+    return {"cells": cells, "loads": _loads(rows)}
+
+
+def _loads(rows: list[dict]) -> list[dict]:
+    """Per set size: seconds to ready the set from cached bodies against the seconds its bodies took
+    to prefill (when this file recorded every one of them)."""
+    prefill = {(r["label"], r["n_tokens"], r.get("haystack", ""), r.get("facts_per_doc")): r["prefill_s"]
+               for r in rows if r["kind"] == "body"}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["kind"] == "load":
+            groups[(r["n_documents"], r["length"], r.get("haystack", ""))].append(r)
+    out = []
+    for (n_docs, length, haystack), group in sorted(groups.items()):
+        ratios, prefills = [], []
+        for r in group:
+            times = [prefill.get((d["label"], d["n_tokens"], r.get("haystack", ""), r.get("facts_per_doc")))
+                     for d in r["documents"]]
+            if all(t is not None for t in times):
+                prefills.append(sum(times))
+                ratios.append(r["ready_s"] / sum(times))
+        out.append({"n_documents": n_docs, "length": length, "haystack": haystack, "n": len(group),
+                    "n_cells": round(mean(r["n_cells"] for r in group)), "layout": sorted({r["layout"] for r in group}),
+                    "ready_s": mean(r["ready_s"] for r in group),
+                    "prefill_s": mean(prefills) if prefills else None,
+                    "ready_share": mean(ratios) if ratios else None})
+    return out
+
+
+def markdown(summary: dict) -> str:
+    lines = ["| set | answered by | mode | accuracy (95 % CI) | n | seeds | reduction per answer step "
+             "| reads in the fact's document | decode tok/s |",
+             "|---|---|---|---:|---:|---|---:|---:|---:|"]
+    for c in summary["cells"]:
+        what = f"{c['n_documents']} x {c['length'] // 1024}k" + (f" ({Path(c['haystack']).name})" if c["haystack"] else "")
+        mode = c["mode"] if c["mode"] == "full" else f"{c['mode']} top-{c['top_k']}"
+        share = "" if c["fact_document_share"] is None or c["reference"] != SET else f"{c['fact_document_share']:.0%}"
+        reduction = "1.0x" if c["mode"] == "full" else f"{c['answer_reduction']:.1f}x"
+        lines.append(f"| {what} | {_reference_text(c)} | {mode} | {c['accuracy']:.0%} {_interval_text(c['accuracy_ci'])} "
+                     f"| {c['n']} | {','.join(map(str, c['seeds']))} | {reduction} | {share} | {c['decode_tps']:.1f} |")
+    if summary["loads"]:
+        lines += ["", "| set | cells | layout | readied (n) | ready from the cache | its bodies' prefill | share |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for load in summary["loads"]:
+            prefill = "" if load["prefill_s"] is None else f"{load['prefill_s']:.0f} s"
+            share = "" if load["ready_share"] is None else f"{load['ready_share']:.1%}"
+            lines.append(f"| {load['n_documents']} x {load['length'] // 1024}k | {load['n_cells']:,} "
+                         f"| {', '.join(load['layout'])} | {load['n']} | {load['ready_s']:.1f} s | {prefill} | {share} |")
+    return "\n".join(lines)
+
+
+def _reference_text(cell: dict) -> str:
+    if cell["reference"] == ALONE:
+        return "its document alone"
+    if cell["reference"] == CONCAT:
+        return "the concatenation, prefilled"
+    return f"the set ({', '.join(cell['layout'])})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("usage: python -m kvlocal.evals.library_report RESULTS.jsonl...", file=sys.stderr)
+        raise SystemExit(2)
+    rows = [row for path in args for row in load_rows(Path(path))]
+    print(markdown(summarize(rows)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""`kvlocal eval --library N`: look-alike facts over a set of N documents, asked of the set in each
+routing mode and of two references.
+
+Per seed the set is loaded once through the library (each body prefilled alone and cached, then
+assembled) and every fact is asked in every mode. The references: each fact asked of its own document
+alone (the document's cached body assembled on its own: the same cells, nothing recomputed) and, where
+the set fits the model's trained context and it is asked for, the concatenation prefilled as one
+document. Rows are appended to OUT/results.jsonl as they come (a rerun resumes): kind "answer" for an
+answer, "load" for a set readied from cached bodies, "body" for a body prefilled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from kvlocal.errors import ContextOverflowError, UsageError
+from kvlocal.ingest import Document
+from kvlocal.evals.library_cases import TASK, SetCase, build_set_case
+from kvlocal.evals.runner import TEMPLATE_RESERVE, append_row, task_answer_tokens
+from kvlocal.evals.tasks import score
+from kvlocal.library import Library
+from kvlocal.routing import RouteConfig
+from kvlocal.session import ANSWER_RESERVE
+
+SET, ALONE, CONCAT = "set", "alone", "concat"
+REFERENCES = (ALONE, CONCAT)
+REFERENCE_MODES = {ALONE: ("full",), CONCAT: ("full", "geometric")}
+
+
+@dataclass
+class LibraryConfig:
+    n_documents: int
+    lengths: list[int]  # each document's context length (its haystack leaves room for the prompt)
+    seeds: list[int]
+    modes: list[str]
+    route: RouteConfig = field(default_factory=RouteConfig)  # every mode's settings (its mode unused)
+    references: list[str] = field(default_factory=lambda: [ALONE])
+    facts_per_doc: int = 2
+    layout: str | None = None  # None: consecutive while the set fits the trained context
+    max_tokens: int | None = None
+    sets_per_seed: int = 1  # disjoint sets of n_documents drawn from each seed's documents
+
+    def route_of(self, mode: str) -> RouteConfig:
+        route = replace(self.route, mode=mode)
+        return replace(route, pin=route.pins)
+
+    @property
+    def answer_tokens(self) -> int:
+        return self.max_tokens or task_answer_tokens("onekey")
+
+
+def doc_tokens(length: int) -> int:
+    """A document's haystack tokens for a context of `length`, as `kvlocal eval` sizes one."""
+    return length - ANSWER_RESERVE - TEMPLATE_RESERVE
+
+
+def make_set_case(session: Library, config: LibraryConfig, length: int, seed: int, filler: str | None,
+                  first: int = 0) -> SetCase:
+    count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
+    try:
+        return build_set_case(config.n_documents, doc_tokens(length), seed=seed, count_tokens=count,
+                              facts_per_doc=config.facts_per_doc, filler=filler, first=first)
+    except ValueError as err:
+        raise UsageError(f"cannot build a set of {config.n_documents} documents of {length} tokens: {err}") from None
+
+
+def load_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by an interrupt
+        if isinstance(row, dict) and row.get("kind") in ("answer", "load", "body"):
+            rows.append(row)
+    return rows
+
+
+def answer_key(row: dict) -> tuple:
+    return (row["n_documents"], row["length"], row["seed"], row["probe"], row["reference"], row["mode"],
+            row["top_k"], row["region"], row["window"], row["sinks"], row["pin"], row["keep"], row["shortlist"],
+            row["question"], row["question_top_k"], row["haystack"], row["centroid_block"], row["max_tokens"],
+            row["facts_per_doc"], row.get("first_document", 0))
+
+
+def run_library(
+    session: Library,
+    config: LibraryConfig,
+    out: Path,
+    *,
+    filler: str | None = None,
+    haystack_name: str = "",
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Ask every fact not yet in `out` of the set and the references; returns all rows."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = load_rows(out)
+    done = {answer_key(r) for r in rows if r["kind"] == "answer"}
+    for length, seed, first in ((length, seed, k * config.n_documents) for length in config.lengths
+                                for seed in config.seeds for k in range(config.sets_per_seed)):
+        case = make_set_case(session, config, length, seed, filler, first)
+        base = {"n_documents": config.n_documents, "length": length, "seed": seed, "haystack": haystack_name,
+                "centroid_block": session.centroid_block, "max_tokens": config.answer_tokens,
+                "facts_per_doc": config.facts_per_doc, "first_document": first, "task": TASK}
+
+        def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, RouteConfig]]:
+            return [(i, route) for i in probes for route in (config.route_of(m) for m in modes)
+                    if answer_key({**base, **_route_fields(route), "probe": i, "reference": reference}) not in done]
+
+        def record(row: dict) -> None:
+            append_row(out, row)
+            rows.append(row)
+            if row["kind"] == "answer":
+                done.add(answer_key(row))
+
+        all_probes = range(len(case.probes))
+        work = todo(SET, config.modes, all_probes)
+        if work:
+            loaded = _load_set(session, case, config, base, record, log)
+            for i, route in work:
+                record(_ask(session, case, i, route, config, {**base, **loaded, "reference": SET}, log))
+        if ALONE in config.references:
+            for d, document in enumerate(case.documents):
+                work = todo(ALONE, REFERENCE_MODES[ALONE], case.probes_of(d))
+                if not work:
+                    continue
+                result = session.load_set([document], layout="consecutive")
+                loaded = {"layout": "alone", "n_tokens": result.n_cells, "n_positions": result.n_positions}
+                for i, route in work:
+                    record(_ask(session, case, i, route, config, {**base, **loaded, "reference": ALONE}, log))
+        if CONCAT in config.references:
+            work = todo(CONCAT, REFERENCE_MODES[CONCAT], all_probes)
+            if work:
+                text = "\n\n".join(doc.text.strip() for doc in case.documents)
+                start = time.perf_counter()
+                try:  # as one document: the single-document path (the read tally sees one document)
+                    result = session.load_set([Document(text, f"library-s{seed}-concatenation", "text")]).single
+                except ContextOverflowError as err:  # refused before any prefill
+                    log(f"concatenation of seed {seed} left out: {err}")
+                    continue
+                log(f"concatenation of seed {seed}: {result.n_tokens:,} tokens "
+                    f"({'cache hit' if result.cache_hit else 'prefilled'}, {time.perf_counter() - start:.0f} s)")
+                loaded = {"layout": "concatenation", "n_tokens": result.n_tokens, "n_positions": result.n_tokens,
+                          "concat_prefill_s": None if result.cache_hit else result.seconds}
+                for i, route in work:
+                    record(_ask(session, case, i, route, config, {**base, **loaded, "reference": CONCAT}, log))
+    return rows
+
+
+def _load_set(session: Library, case: SetCase, config: LibraryConfig, base: dict,
+              record: Callable[[dict], None], log) -> dict:
+    """Load the set; a row per body prefilled and, once every body is cached, a row for the set readied
+    from the cache alone (in a fresh context: what opening the set again costs)."""
+    result = session.load_set(case.documents, layout=config.layout, log=log)
+    for d, body in enumerate(result.documents):
+        if not body.cache_hit:
+            record({"kind": "body", "seed": case.seed, "document": base["first_document"] + d, "label": body.label,
+                    "n_tokens": body.n_tokens, "length": base["length"], "haystack": base["haystack"],
+                    "facts_per_doc": base["facts_per_doc"], "prefill_s": body.seconds, "threads": session.threads})
+    if result.cache_hits < len(result.documents):
+        session.unload()
+        result = session.load_set(case.documents, layout=config.layout)
+    record({"kind": "load", **{k: base[k] for k in ("n_documents", "length", "seed", "haystack", "facts_per_doc",
+                                                   "first_document")},
+            "layout": result.layout, "n_cells": result.n_cells, "n_positions": result.n_positions,
+            "n_ctx": result.n_ctx, "ready_s": result.ready_seconds, "threads": session.threads,
+            "documents": [{"label": b.label, "n_tokens": b.n_tokens, "load_s": b.seconds} for b in result.documents]})
+    log(f"set of {len(case.documents)} (seed {case.seed}): {result.n_cells:,} cells, {result.layout}, "
+        f"ready from the cache in {result.ready_seconds:.1f} s")
+    return {"layout": result.layout, "n_tokens": result.n_cells, "n_positions": result.n_positions}
+
+
+def _route_fields(route: RouteConfig) -> dict:
+    return {k: v for k, v in asdict(route).items() if k != "seed"}
+
+
+def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config: LibraryConfig, base: dict,
+         log) -> dict:
+    probe = case.probes[index]
+    fact_document = case.probe_document[index]
+    answer = session.ask(probe.question, route=route, max_tokens=config.answer_tokens, want_regions=True)
+    tally = session.read_tally()
+    for piece in answer:
+        tally.add(piece.stats)
+    summary = answer.summary()
+    in_docs = sum(tally.documents)
+    labels = [s.label for s in session.spans]
+    own = case.documents[fact_document].source
+    fact_share = (tally.documents[labels.index(own)] / in_docs) if in_docs and own in labels else None
+    row = {
+        "kind": "answer", **base, **_route_fields(route),
+        "probe": index, "document": fact_document, "depth": probe.depth,
+        "score": score(probe, summary.text), "answer": summary.text.strip(), "expected": list(probe.answers),
+        "decode_tps": summary.decode_rate, "steps": summary.steps,
+        "rows_read": summary.rows_read, "rows_dense": summary.rows_dense,
+        "bytes_read": summary.bytes_read, "bytes_meta": summary.bytes_meta, "bytes_dense": summary.bytes_dense,
+        "reduction": summary.reduction,
+        "question_bytes_read": summary.question_bytes_read, "question_bytes_dense": summary.question_bytes_dense,
+        "fact_document_share": fact_share,  # of the answer steps' reads that fell in documents
+        "model": session.model.alias or session.model.path.name,
+    }
+    log(f"{base['n_documents']}x{base['length']} s{base['seed']} {base['reference']:<6} {route.mode:<9} "
+        f"doc {fact_document + 1} score={row['score']:.0f} x{row['reduction']:.1f} "
+        f"own doc {fact_share if fact_share is not None else float('nan'):.0%} | {row['answer'][:40]!r}")
+    return row
