@@ -528,3 +528,22 @@ def test_eval_library_runs_on_the_tiny_model_and_prints_the_table(library_run, t
                 "--facts-per-doc", "1", "--model", str(tiny_model), "--threads", "2", "-n", "2", "--out", str(out))
     assert again.exit_code == 0 and again.stdout == result.stdout
     assert load_rows(out / "results.jsonl") == rows
+
+
+@pytest.mark.engine
+def test_bench_library_readies_the_set_from_the_cache_and_decodes_full_and_geometric(library_run, tiny_model,
+                                                                                       tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(library_run.cache))
+    out = tmp_path / "bench.json"
+    result = run("bench", "--library", "2", "--lengths", "2k", "--tokens", "3", "--model", str(tiny_model),
+                 "--threads", "2", "--out", str(out))
+    assert result.exit_code == 0, result.stderr
+    assert "bodies prefilled and cached" in result.stderr  # two facts a document: not the eval run's bodies
+    report = json.loads(out.read_text())
+    (entry,) = report["library"]
+    assert entry["n_documents"] == 2 and entry["layout"] == "consecutive" and entry["ready_s"] > 0
+    assert entry["full_tps"] > 0 and entry["geometric_tps"] > 0
+    assert entry["speedup"] == pytest.approx(entry["geometric_tps"] / entry["full_tps"])
+    assert entry["bytes_reduction"] > 1  # geometric read fewer bytes than the dense baseline
+    assert re.search(r"^\| 2 x 2k \| [\d,]+ \| consecutive \|", result.stdout, re.M)
+    assert run("bench", "--library", "2", "--lengths", "2k,4k", "--model", str(tiny_model)).exit_code == 2
