@@ -29,6 +29,12 @@ class DecodeRun:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+def speedup_of(runs: dict[str, DecodeRun]) -> float:
+    """Geometric's decode rate over full's (0 when either did not run)."""
+    full, geo = runs.get("full"), runs.get("geometric")
+    return geo.rate / full.rate if full and geo and full.rate else 0.0
+
+
 @dataclass
 class LengthResult:
     length: int
@@ -38,8 +44,7 @@ class LengthResult:
 
     @property
     def speedup(self) -> float:
-        full, geo = self.runs.get("full"), self.runs.get("geometric")
-        return geo.rate / full.rate if full and geo and full.rate else 0.0
+        return speedup_of(self.runs)
 
 
 def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, repeats: int) -> DecodeRun:
@@ -155,8 +160,7 @@ class SetBench:
 
     @property
     def speedup(self) -> float:
-        full, geo = self.runs.get("full"), self.runs.get("geometric")
-        return geo.rate / full.rate if full and geo and full.rate else 0.0
+        return speedup_of(self.runs)
 
 
 def bench_library(session, sizes: list[int], length: int, route: RouteConfig, *, n_tokens: int = 48,
