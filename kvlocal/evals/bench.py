@@ -59,6 +59,17 @@ def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, 
     return best
 
 
+def _full_and_geometric(session: Session, question: str, route: RouteConfig, n_tokens: int, repeats: int,
+                        log: Callable[[str], None]) -> dict[str, DecodeRun]:
+    """The answer steps' rate with full attention, then with `route`, back to back on the loaded state."""
+    runs = {}
+    for mode in ("full", "geometric"):
+        r = route if mode == "geometric" else RouteConfig(mode="full", question=route.question)
+        runs[mode] = _decode(session, question, r, n_tokens, repeats)
+        log(f"  {mode:<9} {runs[mode].rate:6.2f} tok/s over {runs[mode].tokens} tokens")
+    return runs
+
+
 def _haystack(session: Session, length: int) -> str:
     """The eval grid's passkey haystack of seed 0, so a state saved by `kvlocal eval` is reused."""
     return make_case(session, "passkey", length, list(DEFAULT_DEPTHS), 0).text
@@ -72,10 +83,7 @@ def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n
         log(f"bench {length}: {loaded.n_tokens:,} tokens ({'cache hit' if loaded.cache_hit else 'prefilled'})")
         question = "Write a detailed summary of the document, section by section."
         res = LengthResult(length, loaded.n_tokens, session.kv_bytes())
-        for mode in ("full", "geometric"):
-            r = route if mode == "geometric" else RouteConfig(mode="full", question=route.question)
-            res.runs[mode] = _decode(session, question, r, n_tokens, repeats)
-            log(f"  {mode:<9} {res.runs[mode].rate:6.2f} tok/s over {res.runs[mode].tokens} tokens")
+        res.runs = _full_and_geometric(session, question, route, n_tokens, repeats, log)
         results.append(res)
     return results
 
@@ -180,9 +188,6 @@ def bench_library(session, sizes: list[int], length: int, route: RouteConfig, *,
         res = SetBench(n, length, loaded.n_cells, loaded.layout, loaded.ready_seconds, session.kv_bytes())
         log(f"bench library {n} x {length}: {loaded.n_cells:,} cells ({loaded.layout}), ready in {loaded.ready_seconds:.1f} s")
         question = "Write a detailed summary of the documents, one by one."
-        for mode in ("full", "geometric"):
-            r = route if mode == "geometric" else RouteConfig(mode="full", question=route.question)
-            res.runs[mode] = _decode(session, question, r, n_tokens, repeats)
-            log(f"  {mode:<9} {res.runs[mode].rate:6.2f} tok/s over {res.runs[mode].tokens} tokens")
+        res.runs = _full_and_geometric(session, question, route, n_tokens, repeats, log)
         results.append(res)
     return results
