@@ -20,11 +20,10 @@ from pathlib import Path
 from kvlocal.errors import ContextOverflowError, UsageError
 from kvlocal.ingest import Document
 from kvlocal.evals.library_cases import TASK, SetCase, build_set_case
-from kvlocal.evals.runner import TEMPLATE_RESERVE, append_row, task_answer_tokens
+from kvlocal.evals.runner import append_row, haystack_tokens, task_answer_tokens
 from kvlocal.evals.tasks import score
 from kvlocal.library import Library
 from kvlocal.routing import RouteConfig
-from kvlocal.session import ANSWER_RESERVE
 
 SET, ALONE, CONCAT = "set", "alone", "concat"
 REFERENCES = (ALONE, CONCAT)
@@ -53,16 +52,11 @@ class LibraryConfig:
         return self.max_tokens or task_answer_tokens("onekey")
 
 
-def doc_tokens(length: int) -> int:
-    """A document's haystack tokens for a context of `length`, as `kvlocal eval` sizes one."""
-    return length - ANSWER_RESERVE - TEMPLATE_RESERVE
-
-
 def make_set_case(session: Library, config: LibraryConfig, length: int, seed: int, filler: str | None,
                   first: int = 0) -> SetCase:
     count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
     try:
-        return build_set_case(config.n_documents, doc_tokens(length), seed=seed, count_tokens=count,
+        return build_set_case(config.n_documents, haystack_tokens(length), seed=seed, count_tokens=count,
                               facts_per_doc=config.facts_per_doc, filler=filler, first=first)
     except ValueError as err:
         raise UsageError(f"cannot build a set of {config.n_documents} documents of {length} tokens: {err}") from None

@@ -54,10 +54,15 @@ class GridConfig:
 TEMPLATE_RESERVE = 256  # context tokens kept for the prompt template around a haystack
 
 
+def haystack_tokens(length: int) -> int:
+    """A haystack's tokens for a context of `length`: room left for the template, question and answer."""
+    return length - ANSWER_RESERVE - TEMPLATE_RESERVE
+
+
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
     """The haystack for a context of `length` tokens (room left for the template, question and answer)."""
     count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
-    target = length - ANSWER_RESERVE - TEMPLATE_RESERVE
+    target = haystack_tokens(length)
     try:
         for _ in range(3):
             case = build_case(task, target, depths, seed=seed, count_tokens=count, filler=filler)
