@@ -36,6 +36,8 @@ class ReadTotals:
     bytes_meta: int = 0
     bytes_dense: int = 0
     fallback: str = ""  # why the engine last fell back to dense attention, if it did unasked
+    layers: int = 0  # the layers whose KV the steps count (a hybrid model's attention layers only)
+    layers_routed: int = 0  # of them, the most that one step routed
 
     @property
     def reduction(self) -> float:
@@ -48,6 +50,8 @@ class ReadTotals:
         self.bytes_read += stats.bytes_read
         self.bytes_meta += stats.bytes_meta
         self.bytes_dense += stats.bytes_dense
+        self.layers = max(self.layers, stats.n_layer)
+        self.layers_routed = max(self.layers_routed, stats.n_layer_routed)
         if stats.fallback not in CHOSEN_FALLBACKS:
             self.fallback = stats.fallback_reason
 
@@ -65,6 +69,8 @@ class AnswerSummary(ReadTotals):
     question_bytes_read: int = 0  # of bytes_read, what the question's tokens read
     question_bytes_dense: int = 0  # of bytes_dense, what they would have read densely
     region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> steps that read it
+    hint_cells: tuple[int, ...] = ()  # the cells whose regions the question's words hinted (route.hints)
+    model_layers: int = 0  # the model's layers (more than `layers` in a hybrid model)
 
     def add(self, stats: ReadStats) -> None:
         super().add(stats)

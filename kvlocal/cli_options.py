@@ -24,6 +24,7 @@ from kvlocal.route_settings import (
     CENTROID_BLOCKS,
     DEFAULT_CENTROID_BLOCK,
     DEFAULT_CENTROID_TYPE,
+    DEFAULT_HINTS,
     DEFAULT_KEEP,
     DEFAULT_PIN,
     DEFAULT_PREFILL_FROM,
@@ -124,6 +125,10 @@ KeepOpt = Annotated[float, typer.Option(
 PinOpt = Annotated[int, typer.Option(
     "--pin", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
     help="Regions of --top-k the dense question pass keeps read for the whole answer.")]
+HintsOpt = Annotated[int, typer.Option(
+    "--hints", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
+    help="Regions of --top-k read because their text holds the question's rarest words (geometric "
+    "routing; 0: none). Helps facts that differ from their look-alikes in one word.")]
 CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", min=0, max=max(CENTROID_BLOCKS), rich_help_panel=ROUTING,
     help="Tokens per key centroid (0: none, every step reads densely).")]
@@ -157,6 +162,7 @@ class RouteOptions:
     shortlist: ShortlistOpt = DEFAULT_SHORTLIST
     keep: KeepOpt = DEFAULT_KEEP
     pin: PinOpt = DEFAULT_PIN
+    hints: HintsOpt = DEFAULT_HINTS
     centroid_block: CentroidBlockOpt = DEFAULT_CENTROID_BLOCK
     centroid_type: CentroidTypeOpt = DEFAULT_CENTROID_TYPE
     question_pass: QuestionPassOpt = DEFAULT_QUESTION
@@ -169,7 +175,7 @@ class RouteOptions:
 
         route = RouteConfig(mode=mode, region=self.region, top_k=self.top_k, window=self.window, sinks=self.sinks,
                             seed=seed, shortlist=self.shortlist, keep=self.keep, question=self.question_pass,
-                            question_top_k=self.question_top_k, pin=self.pin)
+                            question_top_k=self.question_top_k, pin=self.pin, hints=self.hints)
         check_region_block(self.region, self.centroid_block)
         check_centroid_type(self.centroid_type)
         return route

@@ -297,6 +297,8 @@ class Library(Session):
         end = time.perf_counter()
         self.n_prefix = position + len(middle)
         self.n_prefix_cells = n_cells
+        self._prefix_state = None  # a set's models remove cells (check_composable)
+        self._text_index = None
         self.spans = tuple(spans)
         self.layout = layout
         self.doc_label = f"{len(documents)} documents"
@@ -393,6 +395,10 @@ class Library(Session):
         if not tokens:
             return ""
         return self.llm.detokenize(tokens, special=True).decode("utf-8", errors="replace")
+
+    def prefix_cell_tokens(self) -> list[int]:
+        """The set's prefix in cell order (its cells do not follow positions in the parallel layout)."""
+        return list(self._cell_tokens) if self._cell_tokens else super().prefix_cell_tokens()
 
     def document_at(self, cell: int) -> DocumentSpan | None:
         """The document whose body holds `cell` (None for the template head, the question and the answer)."""

@@ -93,6 +93,13 @@ def answer_summary(s: AnswerSummary) -> str:
                 f"the answer's {s.n_answer_tokens} steps: {human_bytes(s.bytes_read - s.question_bytes_read)} "
                 f"= {s.answer_reduction:.1f}x fewer bytes than dense steps"
             )
+    if s.layers and s.model_layers > s.layers:
+        lines.append(f"layers: {s.layers_routed} of the model's {s.model_layers} routed: its {s.layers} attention "
+                     f"layers; the other {s.model_layers - s.layers} are recurrent and read no KV (not counted)")
+    if s.hint_cells:
+        n_regions = len({c // s.route.region for c in s.hint_cells})
+        lines.append(f"text hints: {n_regions} region{'s' if n_regions != 1 else ''} holding the question's "
+                     f"rarest words read in place of as many top-k choices")
     if s.fallback:
         lines.append(f"note: routing fell back to dense attention: {s.fallback}")
     if s.context_full:

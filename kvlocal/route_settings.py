@@ -81,6 +81,11 @@ DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's
 # lab's tables that chose the defaults").
 DEFAULT_PIN = 2
 
+# Text hints (kvlocal/hints.py): geometric routing also reads the HINTS regions whose text shares the
+# question's rarest words (with the tokens that follow the word), in place of as many of its top-k
+# choices. Off by default: measured on look-alike facts only so far (BENCHMARKS.md section 7).
+DEFAULT_HINTS = 0
+
 # How a document is prefilled: "dense" reads every earlier cell for every ubatch; "routed" lets a
 # ubatch that starts PREFILL_FROM or more tokens into the document read the sinks, the window before
 # it, itself and the PREFILL_TOP_K regions per layer and KV head that its queries choose together

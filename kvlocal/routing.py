@@ -14,6 +14,7 @@ from kvlocal.errors import UsageError
 from kvlocal.route_settings import (
     CENTROID_BLOCKS,
     CENTROID_TYPES,
+    DEFAULT_HINTS,
     DEFAULT_KEEP,
     DEFAULT_MODE,
     DEFAULT_PIN,
@@ -75,7 +76,8 @@ FALLBACK_REASONS = {
     Fallback.NO_CENTROIDS: "the KV cache keeps no region centroids (several streams, MLA, or a centroid block of 0)",
     Fallback.V_TRANS: "the V cache is transposed (flash attention is off)",
     Fallback.MODEL_FEATURE: "the model uses ALiBi, learned sinks, a KQ bias or logit soft-capping",
-    Fallback.NOT_SUPPORTED: "the model's attention does not use the standard KV cache (e.g. recurrent or hybrid memory)",
+    Fallback.NOT_SUPPORTED: ("the model's attention does not use the standard KV cache (e.g. recurrent memory, "
+                             "or hybrid memory with sliding-window layers)"),
     Fallback.BATCH_DENSE: "a batch of several tokens read densely",
     Fallback.MULTI_SEQ: "a batch held tokens of several sequences",
 }
@@ -120,6 +122,7 @@ class RouteConfig:
     question: str = DEFAULT_QUESTION  # how the question's tokens read the document: routed, dense or steps
     question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions the question's routed batch reads
     pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (0: none)
+    hints: int = DEFAULT_HINTS  # regions the question's rarest words hint (kvlocal/hints.py; 0: none)
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
@@ -147,6 +150,9 @@ class RouteConfig:
                              setting="keep")
         if not 0 <= self.pin <= MAX_TOP_K:
             raise UsageError(f"the pinned regions must be between 0 and {MAX_TOP_K:,} (got {self.pin})", setting="pin")
+        if not 0 <= self.hints <= MAX_TOP_K:
+            raise UsageError(f"the hinted regions must be between 0 and {MAX_TOP_K:,} (got {self.hints})",
+                             setting="hints")
         if not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"the random route's seed must be between 0 and {MAX_SEED} (got {self.seed})", setting="seed")
 
@@ -157,6 +163,11 @@ class RouteConfig:
         if self.route_mode != RouteMode.GEOMETRIC or not self.keep or self.question != "dense":
             return 0
         return min(self.pin, self.top_k)
+
+    @property
+    def hinted(self) -> int:
+        """Matches of the question's words whose regions the answer reads (geometric routing only)."""
+        return self.hints if self.route_mode == RouteMode.GEOMETRIC else 0
 
     @property
     def route_mode(self) -> RouteMode:

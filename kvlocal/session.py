@@ -22,9 +22,10 @@ import numpy as np
 
 from kvlocal import kvstate
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, ReadTotals
-from kvlocal.engine import llama_cpp, require_patched
+from kvlocal.engine import llama_cpp, require_patched, route_api
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
+from kvlocal.hints import TextIndex, hint_cells
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
@@ -132,6 +133,10 @@ class Session:
         self.n_prefix = 0
         self.n_prefix_cells: int | None = None  # cells the prefix holds, where not one a position (a library)
         self.doc_label = ""
+        # the document's state, kept where a question cannot be dropped by removing its cells (a model
+        # with recurrent layers: their state is not per cell); _rewind restores it
+        self._prefix_state: bytes | None = None
+        self._text_index: TextIndex | None = None  # the prefix's words by cell, for text hints (built on use)
         self._lock = threading.Lock()
 
     # -- engine objects -------------------------------------------------------------------
@@ -254,6 +259,8 @@ class Session:
             self.llm = self._new_llama(n_ctx=n_ctx)
         self.n_prefix = 0
         self.n_prefix_cells = None
+        self._prefix_state = None
+        self._text_index = None
         self.doc_label = label
         tag = self.prefill_tag(prefill, len(tokens))
         if tag == "dense":
@@ -280,15 +287,19 @@ class Session:
                 saved_tokens, state = saved
                 if list(saved_tokens) == tokens and self._set_state(state):
                     self._mark_tokens(tokens)
+                    self._keep_prefix_state(state)
                     return LoadResult(len(tokens), n_ctx, True, time.perf_counter() - start, prefill=prefill)
                 rebuilt = discard("saved state did not match the document tokens or engine; rebuilt")
         reads = self._prefill(tokens, progress, cancel, prefill)
         state = self._compact_swa_cache()
         seconds = time.perf_counter() - start
+        if use_cache:
+            state = state or self._get_state()
+        self._keep_prefix_state(state)
         saved_to = None
         if use_cache:
             try:
-                saved_to = kvstate.save_state(key, np.array(tokens, np.int32), state or self._get_state(), label=label)
+                saved_to = kvstate.save_state(key, np.array(tokens, np.int32), state, label=label)
             except OSError as err:  # a full disk or an unusable cache dir: the prefilled context still works
                 note = f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
                 rebuilt = f"{rebuilt}; {note}" if rebuilt else note
@@ -364,6 +375,18 @@ class Session:
         self.n_prefix = 0
         self.n_prefix_cells = None
 
+    @property
+    def state_rewinds(self) -> bool:
+        """Whether a question is dropped by restoring the document's state rather than by removing its
+        cells: a recurrent or hybrid model, whose recurrent layers keep one state per sequence."""
+        module = llama_cpp()
+        model = self.llm.model if self.llm is not None else self._vocab_llm.model
+        return bool(module.llama_model_is_recurrent(model) or module.llama_model_is_hybrid(model))
+
+    def _keep_prefix_state(self, state: bytes | None) -> None:
+        """Keep the document's state in memory for _rewind where removing cells cannot drop a question."""
+        self._prefix_state = (state or self._get_state()) if self.state_rewinds else None
+
     def span_text(self, start: int, end: int) -> str:
         """The text of the tokens at positions [start, end) of the context (document, question, answer)."""
         end = min(end, self.llm.n_tokens if self.llm else 0)
@@ -402,9 +425,39 @@ class Session:
 
     # -- questions ------------------------------------------------------------------------
 
+    def prefix_cell_tokens(self) -> list[int]:
+        """The tokens of the prefix (template head and document) in cell order."""
+        return [int(t) for t in self.llm.input_ids[: self.n_prefix]]
+
+    def _set_hints(self, question: str, route: RouteConfig) -> tuple[int, ...]:
+        """Name the cells the question's rare words hint to the engine (none unless route.hints)."""
+        cells: list[int] = []
+        if route.hinted:
+            if self._text_index is None:
+                pieces: dict[int, bytes] = {}
+                tokens = self.prefix_cell_tokens()
+                for t in set(tokens):
+                    pieces[t] = self.llm.detokenize([t], special=True)
+                self._text_index = TextIndex.of(pieces[t] for t in tokens)
+            cells = hint_cells(self._text_index, question, route.hinted, route.region)
+        array = (ctypes.c_int32 * max(1, len(cells)))(*cells)
+        if route_api().llama_kv_route_set_hints(self.ctx, array, len(cells)) != 0 and cells:
+            raise EngineError("the engine did not take the route hints")
+        return tuple(cells)
+
     def _rewind(self) -> None:
         """Drop the previous question and answer, keep the document."""
         module = llama_cpp()
+        if self._prefix_state is not None:
+            # recurrent layers: their state after the answer cannot be cut back, so the document's
+            # state (attention cells and recurrent state) is restored as a saved one is
+            if self.llm.n_tokens == self.n_prefix:
+                return
+            n_prefix, n_prefix_cells = self.n_prefix, self.n_prefix_cells
+            if not self._set_state(self._prefix_state):
+                raise EngineError("could not restore the document's state after the previous answer")
+            self.n_prefix, self.n_prefix_cells, self.llm.n_tokens = n_prefix, n_prefix_cells, n_prefix
+            return
         module.llama_memory_seq_rm(module.llama_get_memory(self.ctx), 0, self.n_prefix, -1)
         self.llm.n_tokens = self.n_prefix
 
@@ -463,6 +516,7 @@ class Session:
         with self._lock:
             self._rewind()
             route.apply(self.ctx)
+            hints = self._set_hints(question, route)
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
             room = self.llm.n_ctx() - self.prefix_cells - len(q_tokens)
             if room < 1:
@@ -471,7 +525,7 @@ class Session:
                     f"tokens of context left after the document; a larger context leaves more room", setting="ctx")
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
-            summary = AnswerSummary("", len(q_tokens), 0, 0.0, route)
+            summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, hint_cells=hints, model_layers=self.n_layer)
             self._read_question(q_tokens, route, summary, want_regions)
             summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
             vocab = module.llama_model_get_vocab(self.llm.model)
@@ -523,6 +577,8 @@ class Session:
             self.llm = None
             self.n_prefix = 0
             self.n_prefix_cells = None
+            self._prefix_state = None
+            self._text_index = None
 
     def close(self) -> None:
         self.llm = None

@@ -1,4 +1,4 @@
-"""Tiny random-weight GGUFs for tests (Qwen2, and an iSWA OLMo2): loads and decodes in llama.cpp in milliseconds.
+"""Tiny random-weight GGUFs for tests (Qwen2, an iSWA OLMo2, a hybrid Qwen3.5): load and decode in llama.cpp in milliseconds.
 
 The layout mirrors what convert_hf_to_gguf.py writes for Qwen2.5: architecture
 `qwen2`, q/k/v biases, a byte-level BPE vocabulary (`gpt2` model, `qwen2`
@@ -192,8 +192,6 @@ def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int 
                 f"blk.{i}.post_ffw_norm.weight": ones(n_embd),
             }
 
-    eot = tokens.index("<|endoftext|>")
-    im_end = tokens.index("<|im_end|>")
     writer = GGUFWriter(str(path), arch)
     writer.add_type("model")
     writer.add_name(f"kvlocal tiny {arch} (random weights)")
@@ -209,6 +207,15 @@ def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int 
     if n_swa:
         writer.add_sliding_window(n_swa)
         writer.add_uint32(f"{arch}.attention.sliding_window_pattern", swa_pattern)
+    _add_tokenizer(writer, tokens, types, merges, chat_template)
+    return _finish(writer, tensors, path)
+
+
+def _add_tokenizer(writer: GGUFWriter, tokens: list[str], types: list[int], merges: list[str],
+                   chat_template: str | None) -> None:
+    """The tiny byte-level BPE vocabulary's keys, with Qwen2.5's special token ids and template."""
+    eot = tokens.index("<|endoftext|>")
+    im_end = tokens.index("<|im_end|>")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
@@ -221,6 +228,9 @@ def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int 
     writer.add_add_bos_token(False)
     if chat_template is not None:  # None: a base model without a template
         writer.add_chat_template(chat_template)
+
+
+def _finish(writer: GGUFWriter, tensors: dict[str, np.ndarray], path: Path) -> Path:
     for name, array in tensors.items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -228,6 +238,112 @@ def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_qwen35(
+    path: str | os.PathLike[str], *, n_layer: int = 8, n_embd: int = 128, n_head: int = 4, n_head_kv: int = 2,
+    head_dim: int = 64, n_rot: int = 16, rope_sections: tuple[int, int, int, int] = (3, 3, 2, 0), n_ff: int = 256,
+    full_attention_interval: int = 4, ssm_d_conv: int = 4, ssm_d_state: int = 32, ssm_n_group: int = 2,
+    ssm_dt_rank: int = 4, n_ctx: int = 4096, seed: int = 0, chat_template: str | None = QWEN25_CHAT_TEMPLATE,
+) -> Path:
+    """Write a random-weight qwen35 GGUF (Qwen3.5's hybrid decoder, all tensors F32) to `path` and return it.
+
+    As convert_hf_to_gguf.py writes Qwen3.5 (conversion/qwen.py, Qwen3_5TextModel), scaled down:
+    in every `full_attention_interval` layers the last is full attention (GQA over a KV cache, q/k
+    RMS norms, partial interleaved M-RoPE on `n_rot` of `head_dim` dimensions with
+    `rope.dimension_sections`, an output gate: attn_q yields query and gate, 2*n_head*head_dim
+    rows), the others Gated DeltaNet linear attention with a recurrent state (a causal conv over
+    the fused q/k/v projection `attn_qkv`, output gate `attn_gate`; `ssm_n_group` key heads and
+    `ssm_dt_rank` value heads of `ssm_d_state` dimensions, so ssm.inner_size = ssm_d_state *
+    ssm_dt_rank). head_dim is not n_embd / n_head, as in Qwen3.5 (key_length and value_length are
+    written). Layers 3 and 7 attend fully by default. The tiny qwen2 vocabulary and ChatML template
+    (Qwen3.5's own template and vocabulary are not needed to decode)."""
+    if n_head % n_head_kv or ssm_dt_rank % ssm_n_group:
+        raise ValueError("n_head must divide by n_head_kv, and ssm_dt_rank (value heads) by ssm_n_group (key heads)")
+    if n_rot % 2 or not 0 < n_rot <= head_dim or head_dim % 2:
+        raise ValueError("n_rot must be even and at most head_dim (even)")
+    if len(rope_sections) != 4 or sum(rope_sections) != n_rot // 2:
+        raise ValueError("rope_sections: 4 sections of rotated dimension pairs summing to n_rot / 2 "
+                         "(Qwen3.5: [11, 11, 10, 0] for 64 rotated dimensions)")
+    path = Path(path)
+    tokens, types, merges = tiny_vocab()
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    # llama.cpp's shapes (llama_model_qwen35::load_arch_tensors) in its ne order are the reverse of these
+    key_dim = ssm_d_state * ssm_n_group  # q and k of the linear attention
+    value_dim = ssm_d_state * ssm_dt_rank  # v, the gate z and the output; ssm.inner_size
+    conv_dim = 2 * key_dim + value_dim  # the conv runs over q, k and v together
+    tensors: dict[str, np.ndarray] = {
+        "token_embd.weight": rand(n_vocab, n_embd),
+        "output_norm.weight": ones(n_embd),
+        "output.weight": rand(n_vocab, n_embd),
+    }
+    for i in range(n_layer):
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": ones(n_embd),
+            f"blk.{i}.post_attention_norm.weight": ones(n_embd),  # the norm before the FFN
+        }
+        if (i + 1) % full_attention_interval:  # Gated DeltaNet
+            # A = -exp(A_log) < 0 per value head: a decay of exp(A * softplus(alpha + dt_bias)) per token;
+            # A in [0.02, 0.5] keeps 50-97% of the state per token, so the state matters for many tokens
+            a_log = np.log(rng.uniform(0.02, 0.5, ssm_dt_rank))
+            tensors |= {
+                f"blk.{i}.attn_qkv.weight": rand(conv_dim, n_embd),
+                f"blk.{i}.attn_gate.weight": rand(value_dim, n_embd),  # z, the gated norm's gate
+                f"blk.{i}.ssm_conv1d.weight": (rng.standard_normal((conv_dim, ssm_d_conv)) * 0.5).astype(np.float32),
+                f"blk.{i}.ssm_dt.bias": ones(ssm_dt_rank),
+                f"blk.{i}.ssm_a": (-np.exp(a_log)).astype(np.float32),  # no .weight suffix, as converted
+                f"blk.{i}.ssm_beta.weight": rand(ssm_dt_rank, n_embd),
+                f"blk.{i}.ssm_alpha.weight": rand(ssm_dt_rank, n_embd),
+                f"blk.{i}.ssm_norm.weight": ones(ssm_d_state),
+                f"blk.{i}.ssm_out.weight": rand(n_embd, value_dim),
+            }
+        else:  # full attention with an output gate: attn_q holds query and gate per head
+            tensors |= {
+                f"blk.{i}.attn_q.weight": rand(2 * n_head * head_dim, n_embd),
+                f"blk.{i}.attn_k.weight": rand(n_head_kv * head_dim, n_embd),
+                f"blk.{i}.attn_v.weight": rand(n_head_kv * head_dim, n_embd),
+                f"blk.{i}.attn_output.weight": rand(n_embd, n_head * head_dim),
+                f"blk.{i}.attn_q_norm.weight": ones(head_dim),
+                f"blk.{i}.attn_k_norm.weight": ones(head_dim),
+            }
+        tensors |= {
+            f"blk.{i}.ffn_gate.weight": rand(n_ff, n_embd),
+            f"blk.{i}.ffn_up.weight": rand(n_ff, n_embd),
+            f"blk.{i}.ffn_down.weight": rand(n_embd, n_ff),
+        }
+
+    writer = GGUFWriter(str(path), "qwen35")
+    writer.add_type("model")
+    writer.add_name("kvlocal tiny qwen35 (random weights)")
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    writer.add_context_length(n_ctx)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(10_000_000.0)
+    writer.add_rope_dimension_count(n_rot)  # partial RoPE: n_rot of head_dim dimensions
+    writer.add_rope_dimension_sections(list(rope_sections))  # required by llama.cpp's qwen35 loader
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_ssm_conv_kernel(ssm_d_conv)
+    writer.add_ssm_state_size(ssm_d_state)
+    writer.add_ssm_group_count(ssm_n_group)
+    writer.add_ssm_time_step_rank(ssm_dt_rank)
+    writer.add_ssm_inner_size(value_dim)
+    writer.add_full_attention_interval(full_attention_interval)
+    _add_tokenizer(writer, tokens, types, merges, chat_template)
+    return _finish(writer, tensors, path)
 
 
 def write_truncated(path_src: str | os.PathLike[str], path_dst: str | os.PathLike[str], keep: float = 0.75) -> Path:

@@ -45,7 +45,7 @@ class LibraryConfig:
 
     def route_of(self, mode: str) -> RouteConfig:
         route = replace(self.route, mode=mode)
-        return replace(route, pin=route.pins)
+        return replace(route, pin=route.pins, hints=route.hinted)
 
     @property
     def answer_tokens(self) -> int:
@@ -80,7 +80,7 @@ def answer_key(row: dict) -> tuple:
     return (row["n_documents"], row["length"], row["seed"], row["probe"], row["reference"], row["mode"],
             row["top_k"], row["region"], row["window"], row["sinks"], row["pin"], row["keep"], row["shortlist"],
             row["question"], row["question_top_k"], row["haystack"], row["centroid_block"], row["max_tokens"],
-            row["facts_per_doc"], row.get("first_document", 0))
+            row["facts_per_doc"], row.get("first_document", 0), row.get("hints", 0))
 
 
 def run_library(
@@ -197,6 +197,9 @@ def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config
         "reduction": summary.reduction,
         "question_bytes_read": summary.question_bytes_read, "question_bytes_dense": summary.question_bytes_dense,
         "fact_document_share": fact_share,  # of the answer steps' reads that fell in documents
+        # the documents of the cells the question's words hinted (route hints), in hint order
+        "hint_documents": [labels.index(span.label) if (span := session.document_at(c)) else None
+                           for c in summary.hint_cells[::2]],
         "model": session.model.alias or session.model.path.name,
     }
     log(f"{base['n_documents']}x{base['length']} s{base['seed']} {base['reference']:<6} {route.mode:<9} "

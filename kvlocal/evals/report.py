@@ -339,6 +339,8 @@ def route_label(row: dict) -> str:
         label += f" keep {row.get('keep', 0.0):g}"
         if row.get("pin"):
             label += f" pin {row['pin']}"
+        if row.get("hints"):
+            label += f" hints {row['hints']}"
         if row.get("centroid_type", "f16") != "f16":
             label += f" {row['centroid_type']}"
     if mode != "full" and row.get("estimate"):

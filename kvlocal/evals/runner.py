@@ -48,7 +48,8 @@ class GridConfig:
 
     def route_of(self, mode: str, top_k: int) -> RouteConfig:
         route = replace(self.route, mode=mode, top_k=top_k)
-        return replace(route, pin=route.pins)  # rows record the pins that acted (0 for the controls)
+        # rows record the pins and hints that acted (0 for the controls)
+        return replace(route, pin=route.pins, hints=route.hinted)
 
 
 TEMPLATE_RESERVE = 256  # context tokens kept for the prompt template around a haystack
@@ -113,7 +114,8 @@ def row_key(row: dict) -> tuple:
             row.get("prefill", "dense"),  # ... and prefilled the haystack densely
             row.get("centroid_type", "f16"),  # ... and kept the centroids in F16
             row.get("pin", 0),  # ... and pinned nothing by the question
-            row.get("estimate", False))  # a row that ran the retired estimate of unread regions: another cell
+            row.get("estimate", False),  # a row that ran the retired estimate of unread regions: another cell
+            row.get("hints", 0))  # rows before text hints read none  # a row that ran the retired estimate of unread regions: another cell
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -190,7 +192,7 @@ def _key(length, task, seed, probe_index, route, haystack_name, session, max_tok
                     "centroid_type": session.centroid_type, "max_tokens": max_tokens,
                     "shortlist": route.shortlist, "keep": route.keep,
                     "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag,
-                    "pin": route.pin})
+                    "pin": route.pin, "hints": route.hints})
 
 
 def _load(session: Session, case: Case, length: int, seed: int, prefill: PrefillConfig, prefill_tag: str, log) -> dict:

@@ -1,0 +1,73 @@
+"""Text hints: which cells a question's words name (kvlocal/hints.py), without an engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlocal.errors import UsageError
+from kvlocal.hints import FOLLOW, TextIndex, hint_cells, question_words
+from kvlocal.routing import RouteConfig
+
+
+def index_of(words: list[str]) -> TextIndex:
+    """One word per cell (with its leading space), as a tokenizer of whole words would split."""
+    return TextIndex.of(f" {w}".encode() for w in words)
+
+
+def filler(n: int) -> list[str]:
+    return [f"w{i % 50}" for i in range(n)]
+
+
+def test_the_index_maps_words_to_the_cells_they_start_at():
+    index = TextIndex.of([b"The", b" night", b"-shift", b" locker", b" at", b" Oslo", b"."])
+    assert index.n_cells == 7
+    assert index.words["night-shift"] == (1,)
+    assert index.words["oslo"] == (5,)
+    assert index.words["the"] == (0,)
+
+
+def test_a_character_split_over_tokens_counts_to_the_cell_that_completes_it():
+    e_acute = "é".encode()
+    index = TextIndex.of([b" caf", e_acute[:1], e_acute[1:], b" ok"])
+    assert index.words["café"] == (0,)  # the word starts in cell 0
+    assert index.words["ok"] == (3,)
+
+
+def test_the_region_holding_the_rare_key_word_is_hinted_with_the_tokens_after_it():
+    words = filler(640)
+    # four look-alike facts, one word apart, in regions 2, 4, 6 and 8 (64 cells each)
+    for region, city in ((2, "oslo"), (4, "lyon"), (6, "porto"), (8, "turin")):
+        at = region * 64 + 40
+        words[at : at + 8] = ["locker", "at", "the", city, "depot", "opens", "with", "code"]
+    index = index_of(words)
+    cells = hint_cells(index, "Which code opens the locker at the Porto depot?", n=1, region=64)
+    porto = 6 * 64 + 43
+    assert cells == [porto, porto + FOLLOW]
+    assert {c // 64 for c in cells} == {6, 7}  # the value after the key may sit in the next region
+    # a second hint needs a second region with a rare word: the look-alikes' words are in 4 of 10
+    # regions here, common
+    assert hint_cells(index, "Which code opens the locker at the Porto depot?", n=2, region=64) == cells
+    # in a longer text they are rare, and the next best region is a look-alike
+    index = index_of(words + filler(64 * 30))
+    two = hint_cells(index, "Which code opens the locker at the Porto depot?", n=2, region=64)
+    assert two[:2] == cells and two[2] // 64 in {2, 4, 8}
+
+
+def test_no_hint_without_a_rare_word():
+    words = filler(640)
+    index = index_of(words)
+    assert hint_cells(index, "What is w3 about?", n=2, region=64) == []  # w3 is in every region
+    assert hint_cells(index, "Where is Oslo?", n=2, region=64) == []  # not in the text
+    assert hint_cells(index, "Where is the w3?", n=0, region=64) == []
+
+
+def test_question_words_drop_the_stopwords_and_case():
+    assert question_words("What is the code of the Oslo depot?") == {"code", "oslo", "depot"}
+
+
+def test_hints_apply_to_geometric_routing_only_and_are_bounded():
+    assert RouteConfig(mode="geometric", hints=1).hinted == 1
+    assert RouteConfig(mode="window", hints=1).hinted == 0
+    assert RouteConfig(mode="random", hints=1).hinted == 0
+    with pytest.raises(UsageError):
+        RouteConfig(hints=-1)

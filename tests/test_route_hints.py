@@ -1,0 +1,107 @@
+"""Route hints inside the engine (patch 0012) and through the session, on the tiny synthetic model."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.engine
+
+from engine_probe import RawContext  # noqa: E402
+
+from kvlocal.engine import llama_cpp, route_api  # noqa: E402
+from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
+
+N_DOC = 1500  # 24 regions of 64 cells: region 0 the sinks, 22-23 the window
+
+
+@pytest.fixture(scope="module")
+def raw(tiny_model):
+    ctx = RawContext(tiny_model, n_ctx=2048)
+    rng = np.random.default_rng(0)
+    ctx.decode([int(t) for t in rng.integers(0, 250, size=N_DOC)])
+    yield ctx
+    ctx.close()
+
+
+def step(raw: RawContext, route: RouteConfig, hints: list[int]):
+    """One decode step after the document with these hinted cells; the cache is rewound after it."""
+    m = llama_cpp()
+    cells = (ctypes.c_int32 * max(1, len(hints)))(*hints)
+    assert route_api().llama_kv_route_set_hints(raw.ctx, cells, len(hints)) == 0
+    route.apply(raw.ctx)
+    try:
+        raw.decode([5])
+        return read_stats(raw.ctx, with_regions=True)
+    finally:
+        m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, N_DOC, -1)
+        raw.n_past = N_DOC
+        route_api().llama_kv_route_set_hints(raw.ctx, cells, 0)
+
+
+def regions_read(stats) -> set[int]:
+    return {int(r) for r in np.unique(stats.regions)}
+
+
+def test_a_hinted_region_is_read_by_every_layer_and_head_in_place_of_a_choice(raw):
+    route = RouteConfig(mode="geometric", top_k=2, region=64)
+    plain = step(raw, route, [])
+    unread = sorted(set(range(1, 22)) - regions_read(plain))[0]
+    hinted = step(raw, route, [unread * 64 + 5])
+    assert all(unread in heads for layer in hinted.regions for heads in layer)
+    assert unread not in regions_read(plain)
+    # the same budget: sinks + window + top_k regions, the same rows and bytes
+    assert hinted.n_sel == plain.n_sel
+    assert (hinted.rows_read, hinted.bytes_kv) == (plain.rows_read, plain.bytes_kv)
+
+
+def test_hints_are_capped_at_top_k_and_skip_the_sinks_and_the_window(raw):
+    route = RouteConfig(mode="geometric", top_k=2, region=64)
+    plain = step(raw, route, [])
+    # sinks (region 0), window (23), out of range, negative: nothing to hint; the plan is unchanged
+    ignored = step(raw, route, [3, 23 * 64 + 1, 10**6, -5])
+    np.testing.assert_array_equal(ignored.regions, plain.regions)
+    # three hints at top-2: the first two are read by every head, the third is not forced
+    three = step(raw, route, [5 * 64, 7 * 64, 9 * 64])
+    for layer in three.regions:
+        for heads in layer:
+            assert {5, 7} <= set(heads.tolist())
+    assert three.rows_read == plain.rows_read
+
+
+@pytest.mark.parametrize("mode", ["window", "random"])
+def test_the_controls_ignore_hints(raw, mode):
+    route = RouteConfig(mode=mode, top_k=2, region=64)
+    np.testing.assert_array_equal(step(raw, route, []).regions, step(raw, route, [10 * 64]).regions)
+
+
+def test_every_region_selected_with_hints_still_reproduces_dense(raw):
+    dense = step(raw, RouteConfig(mode="full"), [])
+    every = step(raw, RouteConfig(mode="geometric", top_k=1000, region=64), [10 * 64, 12 * 64])
+    assert every.rows_read == dense.rows_dense
+
+
+def test_the_session_hints_the_region_that_names_the_asked_word(tiny_model, tmp_path, monkeypatch):
+    from kvlocal.session import Session
+
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
+    lines = [f"entry {i}: the value is {i * 7 % 101}." for i in range(120)]
+    lines[60] = "entry 60: the zanzibar value is 4242."
+    route = RouteConfig(mode="geometric", top_k=2, region=64, hints=1)
+    session = Session(str(tiny_model), threads=2, n_ctx=4096)
+    try:
+        session.load_document(" ".join(lines))
+        answer = session.ask("Which value does Zanzibar have?", route=route, max_tokens=3, want_regions=True)
+        steps = [piece.stats for piece in answer if piece.stats is not None]
+        hinted = answer.summary().hint_cells
+        assert hinted, "the rare word names no region"
+        region = hinted[0] // 64
+        assert session.span_text(hinted[0], hinted[0] + 24).lower().lstrip().startswith("zanzibar")
+        plain = session.answer("Which value?", route=route, max_tokens=2)  # no rare word: no hint
+    finally:
+        session.close()
+    # every head of every routed layer read the word's region at every answer step
+    assert steps and all(region in heads for st in steps for layer in st.regions for heads in layer)
+    assert plain.hint_cells == ()
