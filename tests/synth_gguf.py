@@ -192,16 +192,8 @@ def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int 
                 f"blk.{i}.post_ffw_norm.weight": ones(n_embd),
             }
 
-    writer = GGUFWriter(str(path), arch)
-    writer.add_type("model")
-    writer.add_name(f"kvlocal tiny {arch} (random weights)")
-    writer.add_file_type(LlamaFileType.MOSTLY_F16 if dtype == "f16" else LlamaFileType.ALL_F32)
-    writer.add_context_length(n_ctx)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
+    writer = _new_writer(path, arch, LlamaFileType.MOSTLY_F16 if dtype == "f16" else LlamaFileType.ALL_F32,
+                         n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv)
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     if n_swa:
@@ -209,6 +201,22 @@ def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int 
         writer.add_uint32(f"{arch}.attention.sliding_window_pattern", swa_pattern)
     _add_tokenizer(writer, tokens, types, merges, chat_template)
     return _finish(writer, tensors, path)
+
+
+def _new_writer(path: Path, arch: str, file_type: LlamaFileType, *, n_ctx: int, n_embd: int, n_layer: int,
+                n_ff: int, n_head: int, n_head_kv: int) -> GGUFWriter:
+    """A writer with the header every tiny model shares."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_type("model")
+    writer.add_name(f"kvlocal tiny {arch} (random weights)")
+    writer.add_file_type(file_type)
+    writer.add_context_length(n_ctx)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    return writer
 
 
 def _add_tokenizer(writer: GGUFWriter, tokens: list[str], types: list[int], merges: list[str],
@@ -320,16 +328,8 @@ def write_tiny_qwen35(
             f"blk.{i}.ffn_down.weight": rand(n_embd, n_ff),
         }
 
-    writer = GGUFWriter(str(path), "qwen35")
-    writer.add_type("model")
-    writer.add_name("kvlocal tiny qwen35 (random weights)")
-    writer.add_file_type(LlamaFileType.ALL_F32)
-    writer.add_context_length(n_ctx)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
+    writer = _new_writer(path, "qwen35", LlamaFileType.ALL_F32, n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer,
+                         n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(10_000_000.0)

@@ -6,28 +6,15 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from gguf import GGUFReader
+from engine_probe import RawContext
 from synth_gguf import tiny_vocab, write_tiny_qwen35
 
+from kvlocal.engine import llama_cpp
 from kvlocal.gguf_header import check_text_model, validate_gguf
-
-try:
-    import llama_cpp
-except Exception as err:  # noqa: BLE001 - any import failure means "no engine here"
-    llama_cpp = None
-    _IMPORT_ERROR = f"llama_cpp is not importable ({type(err).__name__}: {err})"
-else:
-    _IMPORT_ERROR = ""
-
-
-def needs_engine(test):
-    """Marked `engine` (deselected by -m "not engine"), and skipped where the engine cannot be imported."""
-    return pytest.mark.engine(pytest.mark.skipif(llama_cpp is None, reason=_IMPORT_ERROR)(test))
-
 
 N_VOCAB = len(tiny_vocab()[0])
 N_LAYER, FULL_ATTENTION = 8, (3, 7)  # the writer's defaults: every 4th layer attends fully
@@ -91,68 +78,29 @@ def test_bad_shapes_are_refused(tmp_path: Path) -> None:
 # -- the engine ----------------------------------------------------------------------------------------
 
 
-class Qwen35Context:
-    """The model and a fresh context made with the C API (flash attention on, as kvlocal runs)."""
+def decode(c: RawContext, tokens: list[int]) -> np.ndarray:
+    """Decode `tokens` after what the context holds: the last token's logits."""
+    c.decode(tokens)
+    return c.logits()
 
-    def __init__(self, path: Path, n_ctx: int = 1024, n_batch: int = 512) -> None:
-        from kvlocal.engine import llama_cpp as module
 
-        m = self.m = module()
-        self.model = m.llama_model_load_from_file(str(path).encode(), m.llama_model_default_params())
-        assert self.model, "llama.cpp did not load the qwen35 model"
-        cparams = m.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = cparams.n_ubatch = n_batch
-        cparams.n_threads = cparams.n_threads_batch = 2
-        cparams.flash_attn_type = m.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        cparams.kv_centroid_block = 16
-        self.ctx = m.llama_init_from_model(self.model, cparams)
-        assert self.ctx
-        self.n_past = 0
-        self.n_vocab = m.llama_vocab_n_tokens(m.llama_model_get_vocab(self.model))
-
-    def decode(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        """Decode `tokens` in one batch: the logits of every token (all_logits) or of the last."""
-        m = self.m
-        batch = m.llama_batch_init(len(tokens), 0, 1)
-        try:
-            batch.n_tokens = len(tokens)
-            for j, tok in enumerate(tokens):
-                batch.token[j] = tok
-                batch.pos[j] = self.n_past + j
-                batch.n_seq_id[j] = 1
-                batch.seq_id[j][0] = 0
-                batch.logits[j] = all_logits or j == len(tokens) - 1
-            assert m.llama_decode(self.ctx, batch) == 0
-        finally:
-            m.llama_batch_free(batch)
-        self.n_past += len(tokens)
-        rows = len(tokens) if all_logits else 1
-        logits = np.ctypeslib.as_array(m.llama_get_logits(self.ctx), shape=(rows, self.n_vocab)).copy()
-        return logits if all_logits else logits[0]
-
-    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-        """Prefill `prompt`, then decode `n` greedy tokens one at a time: the tokens and their logits."""
-        logits = self.decode(prompt)
-        out, steps = [], []
-        for _ in range(n):
-            token = int(np.argmax(logits))
-            out.append(token)
-            logits = self.decode([token])
-            steps.append(logits)
-        return out, np.stack(steps)
-
-    def close(self) -> None:
-        self.m.llama_free(self.ctx)
-        self.m.llama_model_free(self.model)
+def greedy(c: RawContext, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Prefill `prompt`, then decode `n` greedy tokens one at a time: the tokens and their logits."""
+    logits = decode(c, prompt)
+    out, steps = [], []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = decode(c, [out[-1]])
+        steps.append(logits)
+    return out, np.stack(steps)
 
 
 @pytest.fixture
 def open_ctx(qwen35_model: Path):
-    opened: list[Qwen35Context] = []
+    opened: list[RawContext] = []
 
-    def open_one(**kwargs: Any) -> Qwen35Context:
-        opened.append(Qwen35Context(qwen35_model, **kwargs))
+    def open_one() -> RawContext:
+        opened.append(RawContext(qwen35_model, n_ctx=1024))
         return opened[-1]
 
     yield open_one
@@ -160,10 +108,10 @@ def open_ctx(qwen35_model: Path):
         c.close()
 
 
-@needs_engine
+@pytest.mark.engine
 def test_loads_as_a_hybrid_model(open_ctx) -> None:
     c = open_ctx()
-    m = c.m
+    m = llama_cpp()
     assert m.llama_model_is_hybrid(c.model) and not m.llama_model_is_recurrent(c.model)
     assert m.llama_model_n_layer(c.model) == N_LAYER
     assert (m.llama_model_n_head(c.model), m.llama_model_n_head_kv(c.model)) == (4, 2)
@@ -176,38 +124,37 @@ def test_loads_as_a_hybrid_model(open_ctx) -> None:
     assert buf.value == b"qwen35"
 
 
-@needs_engine
+@pytest.mark.engine
 def test_a_long_prompt_gives_finite_logits(open_ctx) -> None:
-    c = open_ctx()
-    logits = c.decode(prompt_tokens(), all_logits=True)
-    assert logits.shape == (N_PROMPT, N_VOCAB)
+    logits = decode(open_ctx(), prompt_tokens())
+    assert logits.shape == (N_VOCAB,)
     assert np.isfinite(logits).all()
     assert logits.std() > 0
     assert np.abs(logits).max() < 100  # scaled so that nothing blows up
 
 
-@needs_engine
+@pytest.mark.engine
 def test_greedy_decode_is_deterministic_across_fresh_contexts(open_ctx) -> None:
-    first = open_ctx().greedy(prompt_tokens(), 12)
-    second = open_ctx().greedy(prompt_tokens(), 12)
+    first = greedy(open_ctx(), prompt_tokens(), 12)
+    second = greedy(open_ctx(), prompt_tokens(), 12)
     assert first[0] == second[0]
     assert np.array_equal(first[1], second[1])
     assert np.isfinite(first[1]).all()
 
 
-@needs_engine
+@pytest.mark.engine
 def test_the_recurrent_state_carries_the_prompt(open_ctx) -> None:
     """Token by token (the recurrent update) continues what a batch (the chunked update) left in the
     state: the logits agree; and a prompt that differs only far back changes them."""
     prompt = prompt_tokens()
-    whole = open_ctx().decode(prompt)
+    whole = decode(open_ctx(), prompt)
     split = open_ctx()
-    split.decode(prompt[:150])
+    decode(split, prompt[:150])
     for tok in prompt[150:]:
-        stepwise = split.decode([tok])
+        stepwise = decode(split, [tok])
     # measured 2.4e-4 on logits of magnitude ~1 (the chunked and the recurrent update sum in other orders)
     diff = float(np.abs(whole - stepwise).max())
     assert diff <= 2e-3 * max(1.0, float(np.abs(whole).max())), diff
     # the first token still moves the last logits by 0.035 (0.6-1.0 for a change among the last 10)
-    changed = open_ctx().decode([(prompt[0] + 1) % 250] + prompt[1:])
+    changed = decode(open_ctx(), [(prompt[0] + 1) % 250] + prompt[1:])
     assert float(np.abs(changed - whole).max()) > 10 * diff
