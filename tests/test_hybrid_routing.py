@@ -127,6 +127,9 @@ def test_read_counts_are_exact(runs):
         assert st.bytes_meta == 0
     for _, st in runs["one"]:
         assert st.rows_read < st.rows_dense and st.bytes_meta > 0
+    # the dense baseline is one number whatever the mode
+    for i in range(len(runs["full"])):
+        assert len({(runs[name][i][1].rows_dense, runs[name][i][1].bytes_dense) for name in runs}) == 1
 
 
 def test_the_controls_and_a_tight_budget_differ_from_dense(runs):

@@ -13,6 +13,7 @@ from statistics import mean, median
 
 from kvlocal.evals.library_runner import ALONE, CONCAT, SET, load_rows
 from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction
+from kvlocal.evals.runner import question_pass
 
 REFERENCE_RANK = {SET: 0, ALONE: 1, CONCAT: 2}
 
@@ -22,15 +23,15 @@ def summarize(rows: list[dict]) -> dict:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in answers:
         groups[(r["n_documents"], r["length"], r["reference"], r["mode"], r["top_k"] if r["mode"] != "full" else 0,
-                r.get("haystack", ""), r.get("hints", 0))].append(r)
+                r.get("haystack", ""), r.get("hints", 0), question_pass(r) if r["mode"] != "full" else "")].append(r)
     cells = []
-    for (n_docs, length, reference, mode, top_k, haystack, hints), group in sorted(
+    for (n_docs, length, reference, mode, top_k, haystack, hints, question), group in sorted(
             groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][5], REFERENCE_RANK.get(kv[0][2], 9),
-                                            _mode_rank(kv[0][3]), kv[0][4], kv[0][6])):
+                                            _mode_rank(kv[0][3]), kv[0][4], kv[0][6], kv[0][7])):
         shares = [r["fact_document_share"] for r in group if r.get("fact_document_share") is not None]
         cells.append({
             "n_documents": n_docs, "length": length, "haystack": haystack, "reference": reference, "mode": mode,
-            "top_k": top_k or None, "hints": hints, "seeds": sorted({r["seed"] for r in group}),
+            "top_k": top_k or None, "hints": hints, "question": question, "seeds": sorted({r["seed"] for r in group}),
             **_accuracy(group),
             "answer_reduction": mean(answer_reduction(r) for r in group),
             "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in group if r["bytes_read"]),
@@ -77,6 +78,8 @@ def markdown(summary: dict) -> str:
         mode = c["mode"] if c["mode"] == "full" else f"{c['mode']} top-{c['top_k']}"
         if c.get("hints"):
             mode += f" hints {c['hints']}"
+        if c.get("question") and c["question"] != "dense":
+            mode += f", question {c['question']}"
         share = "" if c["fact_document_share"] is None or c["reference"] != SET else f"{c['fact_document_share']:.0%}"
         reduction = "1.0x" if c["mode"] == "full" else f"{c['answer_reduction']:.1f}x"
         lines.append(f"| {what} | {_reference_text(c)} | {mode} | {c['accuracy']:.0%} {_interval_text(c['accuracy_ci'])} "
