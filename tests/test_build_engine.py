@@ -84,3 +84,23 @@ def test_from_pack_checks_the_patch_set(build_engine, tmp_path, monkeypatch):
     junk.write_bytes(b"not a tarball")
     with pytest.raises(SystemExit):
         build_engine.pack_unpack(junk)
+
+
+def vulkan_sdk(tmp_path: Path, patch: int, minor: int = 3) -> Path:
+    inc = tmp_path / f"sdk-{minor}-{patch}" / "include" / "vulkan"
+    inc.mkdir(parents=True)
+    (inc / "vulkan_core.h").write_text(f"#define VK_HEADER_VERSION {patch}\n"
+                                       f"#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION(0, 1, {minor}, VK_HEADER_VERSION)\n")
+    return inc.parent.parent
+
+
+def test_the_vulkan_build_stops_early_on_headers_older_than_ggml_vulkan_needs(build_engine, tmp_path, monkeypatch, capsys):
+    """Debian 12's Vulkan-Headers 1.3.239 lack VK_EXT_layer_settings, which ggml-vulkan.cpp uses: the
+    build says so before compiling every shader; 1.3.272 and 1.4.x pass."""
+    monkeypatch.setenv("VULKAN_SDK", str(vulkan_sdk(tmp_path, 239)))
+    with pytest.raises(SystemExit):
+        build_engine.check_vulkan_headers()
+    assert "1.3.239" in capsys.readouterr().err
+    for minor, patch in ((3, 272), (4, 309)):
+        monkeypatch.setenv("VULKAN_SDK", str(vulkan_sdk(tmp_path, patch, minor)))
+        build_engine.check_vulkan_headers()

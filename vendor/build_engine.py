@@ -15,7 +15,7 @@ Steps (each one loud on failure):
 The patch-set id (sha256 over the patch files, in order) is compiled into the library and
 returned by llama_kvlocal_build_id(); kvlocal compares it with the repository's patches.
 
-Usage: python vendor/build_engine.py [--backend cpu|cuda|metal] [--cuda-arch 90]
+Usage: python vendor/build_engine.py [--backend cpu|cuda|metal|vulkan] [--cuda-arch 90]
        [--jobs N] [--tests] [--tests-only] [--compile-check] [--prepare-only] [--print-id]
        [--make-pack FILE | --from-pack FILE]
 """
@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -259,19 +260,27 @@ def cmake_args(backend: str, cuda_arch: str | None, set_id: str) -> list[str]:
         "-DLLAMA_BUILD_SERVER=OFF",
         f"-DKVLOCAL_PATCHSET_ID={set_id}",
     ]
-    if backend == "cpu" and platform.machine() in ("x86_64", "AMD64"):
+    if backend in ("cpu", "vulkan") and platform.machine() in ("x86_64", "AMD64"):
         # GGML_NATIVE on an AMX-capable CPU crashes every decode in ggml_backend_amx_mul_mat
-        # (see DESIGN.md); keep native tuning but leave AMX out.
+        # (see DESIGN.md); keep native tuning but leave AMX out. A Vulkan build compiles the CPU
+        # backend too (the fallback for ops Vulkan lacks, and test-backend-ops' reference).
         flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
         args += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
     if backend == "cuda":
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch or 'native'}"]
     elif backend == "metal":
         args += ["-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"]
+    elif backend == "vulkan":
+        # needs the Vulkan loader and headers, glslc and SPIRV-Headers (Debian: libvulkan-dev glslc
+        # spirv-headers; Mesa's lavapipe, mesa-vulkan-drivers, runs it on a CPU); every shader is
+        # compiled with glslc at build time, which is most of a fresh build
+        args += ["-DGGML_VULKAN=ON"]
     return args
 
 
 def install(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: str) -> None:
+    if backend == "vulkan":
+        check_vulkan_headers()
     # one persistent build directory per source tree (CMake ties a build directory to its source)
     build_dir = BUILD / (backend if tree.parent == SRC and tree.name.startswith("llama_cpp_python-") else f"{backend}-pack")
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -329,6 +338,80 @@ def build_backend_ops_tests(tree: Path, jobs: int, set_id: str) -> Path:
     return binary
 
 
+# ggml-vulkan.cpp uses VK_EXT_layer_settings without a guard (vk::LayerSettingEXT): Vulkan-Headers
+# 1.3.272 or newer. Debian 12 ships 1.3.239; its vulkan.hpp fails there after every shader has been
+# compiled (minutes), so check first. Headers 1.4.309 (Debian 13's libvulkan-dev, unpacked anywhere,
+# VULKAN_SDK=<that>/usr) work with Debian 12's loader, glslc and SPIRV-Headers.
+VULKAN_MIN_HEADER = 272
+
+
+def check_vulkan_headers() -> None:
+    """Stop before the shader compilation when the Vulkan headers are too old for ggml-vulkan."""
+    sdk = os.environ.get("VULKAN_SDK")
+    for inc in ([Path(sdk) / "include"] if sdk else []) + [Path("/usr/include"), Path("/usr/local/include")]:
+        core = inc / "vulkan" / "vulkan_core.h"
+        if core.is_file():
+            break
+    else:
+        say("no vulkan/vulkan_core.h found (apt-get install libvulkan-dev, or set VULKAN_SDK); CMake will say more")
+        return
+    text = core.read_text(errors="replace")
+    patch = re.search(r"^#define VK_HEADER_VERSION (\d+)", text, re.M)
+    complete = re.search(r"^#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(0, (\d+), (\d+),", text, re.M)
+    version = (int(complete.group(1)), int(complete.group(2)), int(patch.group(1))) if patch and complete else (0, 0, 0)
+    shown = ".".join(map(str, version))
+    if version < (1, 3, VULKAN_MIN_HEADER):
+        die(f"{core} is Vulkan-Headers {shown}; the Vulkan backend needs 1.3.{VULKAN_MIN_HEADER} or newer "
+            f"(VK_EXT_layer_settings). Point VULKAN_SDK at newer headers (VULKAN_SDK/include/vulkan), e.g. "
+            f"Debian 13's libvulkan-dev unpacked with dpkg-deb -x")
+    say(f"Vulkan headers: {core} ({shown})")
+
+
+def build_backend_ops_tests_vulkan(tree: Path, jobs: int, set_id: str) -> Path:
+    """Configure the patched llama.cpp for Vulkan with CMake in its own directory,
+    vendor/build/tests-vulkan, build only ggml there (CPU and Vulkan backends), and compile
+    test-backend-ops against it: no installed engine is needed. Run it as
+    vendor/build/tests-vulkan/bin/test-backend-ops test -b Vulkan0 -o OP.
+    (ggml cannot be configured on its own from the sdist: it lacks ggml/ggml.pc.in.)"""
+    bin_dir = Path(sys.executable).parent
+    cmake = str(bin_dir / "cmake") if (bin_dir / "cmake").exists() else shutil.which("cmake")
+    ninja = str(bin_dir / "ninja") if (bin_dir / "ninja").exists() else shutil.which("ninja")
+    if not cmake or not ninja:
+        die("cmake and ninja are required (pip install cmake ninja)")
+    llama_dir = tree / "vendor" / "llama.cpp"
+    # one build directory per source tree, as install() keeps them
+    build_dir = BUILD / ("tests-vulkan" if tree.parent == SRC and tree.name.startswith("llama_cpp_python-")
+                         else "tests-vulkan-pack")
+    out_dir = build_dir / "bin"
+    if not (build_dir / "build.ninja").exists():
+        check_vulkan_headers()
+        say(f"configuring llama.cpp for Vulkan in {build_dir.relative_to(ROOT)}")
+        configure = [
+            cmake, "-S", str(llama_dir), "-B", str(build_dir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+            "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+            *[a for a in cmake_args("vulkan", None, set_id) if not a.startswith("-DLLAVA")],
+        ]
+        if subprocess.run(configure, stdout=sys.stderr).returncode != 0:
+            die("CMake could not configure ggml for Vulkan: it needs the Vulkan headers and loader, glslc "
+                "and SPIRV-Headers (Debian: apt-get install libvulkan-dev glslc spirv-headers)")
+    say(f"building ggml with the Vulkan backend ({jobs} jobs; a fresh build compiles every shader: long)")
+    if subprocess.run([ninja, "-C", str(build_dir), "-j", str(jobs), "ggml"], stdout=sys.stderr).returncode != 0:
+        die("the Vulkan build of ggml failed (see the log above)")
+    binary = out_dir / "test-backend-ops"
+    source = llama_dir / "tests" / "test-backend-ops.cpp"
+    newest = max(source.stat().st_mtime, *(p.stat().st_mtime for p in out_dir.glob("libggml*.so")))
+    if binary.exists() and binary.stat().st_mtime > newest:
+        say(f"{binary.relative_to(ROOT)} is up to date")
+        return binary
+    say("compiling test-backend-ops (about a minute)")
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-O2", "-pthread",
+           f"-I{llama_dir / 'ggml' / 'include'}", str(source), "-o", str(binary),
+           f"-L{out_dir}", "-lggml", "-lggml-base", f"-Wl,-rpath,{out_dir}"]
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    say(f"built {binary.relative_to(ROOT)}")
+    return binary
+
+
 # What the routed decode graph needs from the CUDA backend: its dispatcher (supports_op, graph
 # compute) and the kernels of the ops the graph uses, plus the patched ggml and llama sources.
 CUDA_CHECK_SOURCES = (
@@ -379,11 +462,14 @@ def compile_check(tree: Path, backend: str, cuda_arch: str | None, jobs: int, se
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["cpu", "cuda", "metal"], default="cpu")
+    parser.add_argument("--backend", choices=["cpu", "cuda", "metal", "vulkan"], default="cpu")
     parser.add_argument("--cuda-arch", default=None, help="CMAKE_CUDA_ARCHITECTURES (default: native)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
-    parser.add_argument("--tests", action="store_true", help="also build test-backend-ops (CPU)")
-    parser.add_argument("--tests-only", action="store_true", help="only build test-backend-ops (CPU)")
+    parser.add_argument("--tests", action="store_true",
+                        help="also build test-backend-ops (CPU; with --backend vulkan: Vulkan)")
+    parser.add_argument("--tests-only", action="store_true",
+                        help="only build test-backend-ops (CPU; with --backend vulkan: ggml with Vulkan "
+                             "and test-backend-ops in vendor/build/tests-vulkan)")
     parser.add_argument("--prepare-only", action="store_true", help="fetch, verify and patch; do not build")
     parser.add_argument("--print-id", action="store_true", help="print the patch-set id and exit")
     parser.add_argument("--compile-check", action="store_true",
@@ -425,6 +511,9 @@ def main() -> None:
         say(f"patched tree ready: {tree}")
         return
     if args.tests_only:
+        if args.backend == "vulkan":
+            build_backend_ops_tests_vulkan(tree, args.jobs, set_id)
+            return
         build_backend_ops_tests(tree, args.jobs, set_id)
         return
     if args.compile_check:
@@ -432,7 +521,10 @@ def main() -> None:
         return
     install(tree, args.backend, args.cuda_arch, args.jobs, set_id)
     if args.tests:
-        build_backend_ops_tests(tree, args.jobs, set_id)
+        if args.backend == "vulkan":
+            build_backend_ops_tests_vulkan(tree, args.jobs, set_id)
+        else:
+            build_backend_ops_tests(tree, args.jobs, set_id)
     say(f"done: engine with patch set {set_id}")
 
 
