@@ -23,10 +23,11 @@ def summarize(rows: list[dict]) -> dict:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in answers:
         groups[(r["n_documents"], r["length"], r["reference"], r["mode"], r["top_k"] if r["mode"] != "full" else 0,
-                r.get("haystack", ""), r.get("hints", 0), question_pass(r) if r["mode"] != "full" else "")].append(r)
+                r.get("haystack", ""), r.get("hints", 0), question_pass(r) if r["mode"] != "full" else "",
+                r.get("layout", ""))].append(r)
     cells = []
-    for (n_docs, length, reference, mode, top_k, haystack, hints, question), group in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][5], REFERENCE_RANK.get(kv[0][2], 9),
+    for (n_docs, length, reference, mode, top_k, haystack, hints, question, _), group in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][5], REFERENCE_RANK.get(kv[0][2], 9), kv[0][8],
                                             _mode_rank(kv[0][3]), kv[0][4], kv[0][6], kv[0][7])):
         shares = [r["fact_document_share"] for r in group if r.get("fact_document_share") is not None]
         cells.append({

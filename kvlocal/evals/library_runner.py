@@ -80,7 +80,8 @@ def answer_key(row: dict) -> tuple:
     return (row["n_documents"], row["length"], row["seed"], row["probe"], row["reference"], row["mode"],
             row["top_k"], row["region"], row["window"], row["sinks"], row["pin"], row["keep"], row["shortlist"],
             row["question"], row["question_top_k"], row["haystack"], row["centroid_block"], row["max_tokens"],
-            row["facts_per_doc"], row.get("first_document", 0), row.get("hints", 0))
+            row["facts_per_doc"], row.get("first_document", 0), row.get("hints", 0),
+            row.get("layout_asked", "auto"))  # rows before --layout was recorded ran the automatic layout
 
 
 def run_library(
@@ -101,7 +102,8 @@ def run_library(
         case = make_set_case(session, config, length, seed, filler, first)
         base = {"n_documents": config.n_documents, "length": length, "seed": seed, "haystack": haystack_name,
                 "centroid_block": session.centroid_block, "max_tokens": config.answer_tokens,
-                "facts_per_doc": config.facts_per_doc, "first_document": first, "task": TASK}
+                "facts_per_doc": config.facts_per_doc, "first_document": first, "task": TASK,
+                "layout_asked": config.layout or "auto"}
 
         def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, RouteConfig]]:
             return [(i, route) for i in probes for route in (config.route_of(m) for m in modes)
