@@ -386,7 +386,7 @@ def test_the_markdown_tables():
     assert lines[0].startswith("| set | answered by | mode | accuracy (95 % CI) | n |")
     rows = [line for line in lines if line.startswith("| 2 x 2k |")]
     assert rows[0].startswith("| 2 x 2k | the set (consecutive) | full | 80% [") and "| 5 | 0,1 | 1.0x | 50% |" in rows[0]
-    assert rows[1].startswith("| 2 x 2k | the set (consecutive) | geometric top-4 | 50% [") and "| 4.0x | 80% |" in rows[1]
+    assert rows[1].startswith("| 2 x 2k | the set (consecutive) | geometric top-4, question steps | 50% [") and "| 4.0x | 80% |" in rows[1]
     assert rows[3].startswith("| 2 x 2k | its document alone | full | 100% [") and rows[3].endswith("| 1.0x |  | 10.0 |")
     assert rows[4].startswith("| 2 x 2k | the concatenation, prefilled | full | 0% [")
     assert "| 2 x 2k | 2,250 | consecutive | 2 | 1.0 s | 5 s | 20.0% |" in lines

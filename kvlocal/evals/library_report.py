@@ -14,6 +14,7 @@ from statistics import mean, median
 from kvlocal.evals.library_runner import ALONE, CONCAT, SET, load_rows
 from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction
 from kvlocal.evals.runner import question_pass
+from kvlocal.route_settings import DEFAULT_QUESTION
 
 REFERENCE_RANK = {SET: 0, ALONE: 1, CONCAT: 2}
 
@@ -23,7 +24,7 @@ def summarize(rows: list[dict]) -> dict:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in answers:
         groups[(r["n_documents"], r["length"], r["reference"], r["mode"], r["top_k"] if r["mode"] != "full" else 0,
-                r.get("haystack", ""), r.get("hints", 0), question_pass(r) if r["mode"] != "full" else "",
+                r.get("haystack", ""), r.get("hints", 0), _question(r) if r["mode"] != "full" else "",
                 r.get("layout", ""))].append(r)
     cells = []
     for (n_docs, length, reference, mode, top_k, haystack, hints, question, _), group in sorted(
@@ -68,6 +69,11 @@ def _loads(rows: list[dict]) -> list[dict]:
                     "prefill_s": mean(prefills) if prefills else None,
                     "ready_share": mean(ratios) if ratios else None})
     return out
+
+
+def _question(row: dict) -> str:
+    """The question pass of a library row (every library row records its route; the default is dense)."""
+    return question_pass({"question": DEFAULT_QUESTION, **row})
 
 
 def markdown(summary: dict) -> str:
