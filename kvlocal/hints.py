@@ -68,9 +68,12 @@ def question_words(question: str) -> set[str]:
     return {word.lower() for word in WORD.findall(question)} - STOPWORDS
 
 
-def hint_cells(index: TextIndex, question: str, n: int, region: int, follow: int = FOLLOW) -> list[int]:
+def hint_cells(index: TextIndex, question: str, n: int, region: int, follow: int = FOLLOW,
+               skip_regions: int = 0) -> list[int]:
     """Cells to hint for a question: for each of the `n` best regions holding a rare question word,
-    the cell of its rarest such word and the cell `follow` tokens later; [] when no word is rare."""
+    the cell of its rarest such word and the cell `follow` tokens later; [] when no word is rare.
+    The first `skip_regions` regions (the sinks, always read, where the prompt's instructions sit)
+    are not hinted."""
     if n <= 0 or index.n_cells == 0:
         return []
     n_regions = -(-index.n_cells // region)
@@ -89,6 +92,8 @@ def hint_cells(index: TextIndex, question: str, n: int, region: int, follow: int
             continue
         for cell in index.words[word]:
             r = cell // region
+            if r < skip_regions:
+                continue
             if r not in anchor or idf[word] > anchor[r][0]:
                 anchor[r] = (idf[word], cell)
     best = sorted(anchor, key=lambda r: (-score[r], r))[:n]

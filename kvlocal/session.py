@@ -439,7 +439,8 @@ class Session:
                 for t in set(tokens):
                     pieces[t] = self.llm.detokenize([t], special=True)
                 self._text_index = TextIndex.of(pieces[t] for t in tokens)
-            cells = hint_cells(self._text_index, question, route.hinted, route.region)
+            cells = hint_cells(self._text_index, question, route.hinted, route.region,
+                               skip_regions=-(-route.sinks // route.region))
         array = (ctypes.c_int32 * max(1, len(cells)))(*cells)
         if route_api().llama_kv_route_set_hints(self.ctx, array, len(cells)) != 0 and cells:
             raise EngineError("the engine did not take the route hints")

@@ -53,6 +53,17 @@ def test_the_region_holding_the_rare_key_word_is_hinted_with_the_tokens_after_it
     assert two[:2] == cells and two[2] // 64 in {2, 4, 8}
 
 
+def test_the_sink_regions_are_not_hinted():
+    """The prompt's own instructions sit in the sinks (always read): a question word found only there
+    ("Answer with the code only") must not take the hint from the fact."""
+    words = ["answer", "questions", "briefly", "locker", "at", "kyoto", "depot"] + filler(640)
+    words[6 * 64 + 40 : 6 * 64 + 44] = ["locker", "at", "porto", "depot"]
+    index = index_of(words)
+    question = "Which locker at the Porto depot? Answer with the code only."
+    assert hint_cells(index, question, n=1, region=64)[0] == 0  # without: the instructions' region ties and wins
+    assert hint_cells(index, question, n=1, region=64, skip_regions=1)[0] == 6 * 64 + 42
+
+
 def test_no_hint_without_a_rare_word():
     words = filler(640)
     index = index_of(words)
