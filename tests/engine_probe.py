@@ -92,3 +92,15 @@ class RawContext:
         m = llama_cpp()
         m.llama_free(self.ctx)
         m.llama_model_free(self.model)
+
+
+def routed_steps(raw: RawContext, steps: list[int], route) -> list:
+    """Set `route` (a RouteConfig) and decode `steps` one token at a time: (logits, read stats) per step."""
+    from kvlocal.routing import read_stats
+
+    route.apply(raw.ctx)
+    out = []
+    for tok in steps:
+        raw.decode([tok])
+        out.append((raw.logits(), read_stats(raw.ctx)))
+    return out

@@ -15,11 +15,11 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-from engine_probe import GraphRecorder, RawContext  # noqa: E402
+from engine_probe import GraphRecorder, RawContext, routed_steps  # noqa: E402
 from synth_gguf import write_tiny_qwen35  # noqa: E402
 
 from kvlocal.engine import llama_cpp  # noqa: E402
-from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
+from kvlocal.routing import RouteConfig  # noqa: E402
 
 N_DOC = 1500
 ATTN_LAYERS = [3, 7]  # of 8: every fourth layer attends fully
@@ -61,12 +61,7 @@ def set_state(raw: RawContext, state: bytes, n_past: int) -> None:
 def decode_from(raw: RawContext, state: bytes, steps: list[int], route: RouteConfig):
     """Restore the document's state, set the route, decode `steps` one at a time: logits and stats."""
     set_state(raw, state, N_DOC)
-    route.apply(raw.ctx)
-    out = []
-    for tok in steps:
-        raw.decode([tok])
-        out.append((raw.logits(), read_stats(raw.ctx)))
-    return out
+    return routed_steps(raw, steps, route)
 
 
 def max_diff(a, b) -> float:

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-from engine_probe import GraphRecorder, RawContext  # noqa: E402
+from engine_probe import GraphRecorder, RawContext, routed_steps  # noqa: E402
 from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2  # noqa: E402
 
 from kvlocal.engine import engine_info, llama_cpp, route_api  # noqa: E402
@@ -53,12 +53,7 @@ def decode_steps(raw: RawContext, n_prefix: int, steps: list[int], route: RouteC
     m = llama_cpp()
     m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, n_prefix, -1)
     raw.n_past = n_prefix
-    route.apply(raw.ctx)
-    out = []
-    for tok in steps:
-        raw.decode([tok])
-        out.append((raw.logits(), read_stats(raw.ctx)))
-    return out
+    return routed_steps(raw, steps, route)
 
 
 def test_engine_is_patched_and_current():
