@@ -7,7 +7,7 @@ JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
 ENGINE_STAMP := $(VENV)/.engine-$(BACKEND)-$(shell $(PY) vendor/build_engine.py --print-id 2>/dev/null)
 BACKEND_OPS  := vendor/build/tests-cpu/test-backend-ops
 
-.PHONY: setup demo test test-fast engine backend-ops device-pack clean
+.PHONY: setup demo test test-fast engine backend-ops device-pack vulkan-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,10 @@ test-fast: setup
 # trimmed (about 6 MB), and wheels for Python 3.12 (see .ci/device-pack)
 device-pack: $(VENV)/.deps
 	PY=$(BIN)/python .ci/device-pack
+
+# the routed engine on Vulkan through Mesa's lavapipe (docs/gpu.md; ~40 minutes on 2 cores, not in .ci/run)
+vulkan-check:
+	.ci/vulkan-check
 
 clean:
 	rm -rf $(VENV) vendor/build vendor/src

@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.engine
 
 from engine_probe import RawContext, ggml_base  # noqa: E402
-from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2  # noqa: E402
+from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2, write_tiny_qwen35  # noqa: E402
 
 from kvlocal.engine import llama_cpp  # noqa: E402
 from kvlocal.routing import PrefillConfig, RouteConfig  # noqa: E402
@@ -27,6 +27,9 @@ from kvlocal.routing import PrefillConfig, RouteConfig  # noqa: E402
 GGML_MAX_DIMS, GGML_MAX_SRC = 4, 10
 F32, F16, Q8_0, I32, I64 = 0, 1, 8, 26, 27
 FLOATS = {F32, F16}
+# GGML_OP_UNARY nodes (ggml_op_desc names the unary op): ABS in the routed graph, the others in a
+# hybrid model's recurrent layers and output gate
+UNARY_OPS = {"ABS", "SIGMOID", "SILU", "SOFTPLUS"}
 
 
 class GgmlTensor(ctypes.Structure):
@@ -51,10 +54,13 @@ def describe(lib, ptr) -> dict:
         if not s:
             break
         st = GgmlTensor.from_address(s)
-        srcs.append({"type": st.type, "ne": tuple(st.ne)})
+        srcs.append({"type": st.type, "ne": tuple(st.ne), "contiguous": bool(lib.ggml_is_contiguous(s)),
+                     "contiguous_rows": bool(lib.ggml_is_contiguous_rows(s))})
     return {
         "op": lib.ggml_op_desc(ptr).decode(),
         "name": lib.ggml_get_name(ptr).decode(),
+        # where the scheduler computes it: the node's buffer ("CPU", "CUDA0", "Vulkan0", ...)
+        "buffer": lib.ggml_backend_buffer_name(t.buffer).decode() if t.buffer else "",
         "type": t.type,
         "ne": tuple(t.ne),
         "src": srcs,
@@ -66,6 +72,9 @@ def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: in
     """The nodes of a decode step (n_batch 1) or of a routed batch of n_batch tokens (a question);
     with `question` tokens read densely before the recorded step (the batch that writes the pins)."""
     lib = ggml_base()
+    for fn in (lib.ggml_is_contiguous, lib.ggml_is_contiguous_rows):
+        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_bool
+    lib.ggml_backend_buffer_name.argtypes, lib.ggml_backend_buffer_name.restype = [ctypes.c_void_p], ctypes.c_char_p
     nodes: list[dict] = []
     state = {"on": False}
     module = llama_cpp()
@@ -121,11 +130,14 @@ def cuda_supports(n: dict) -> bool:
         )
     if op == "MUL_MAT":
         return s[1]["type"] == F32
-    if op == "ABS":  # a unary op: contiguous f32/f16 rows
-        return s[0]["type"] in FLOATS
+    if op in UNARY_OPS:  # the listed unary ops over a contiguous source
+        return s[0]["contiguous"]
     if op == "SUM_ROWS":  # f32
         return s[0]["type"] == F32
-    return op in {"ADD", "SUB", "MUL", "SCALE", "REPEAT", "ARANGE", "POOL_2D", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
+    if op == "SSM_CONV":  # the hybrid's recurrent layers: d_inner a multiple of the block of threads
+        return s[0]["ne"][1] % 128 == 0
+    return op in {"ADD", "SUB", "MUL", "SCALE", "REPEAT", "ARANGE", "POOL_2D", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX",
+                  "GATED_DELTA_NET"}
 
 
 def metal_supports(n: dict) -> bool:
@@ -149,24 +161,31 @@ def metal_supports(n: dict) -> bool:
         return s[0]["ne"][0] in (32, 64, 128) and s[1]["type"] == s[2]["type"] and s[1]["type"] in {F16, Q8_0}
     if op == "MUL_MAT":
         return s[1]["type"] == F32
-    if op == "ABS":  # a unary op: contiguous f32/f16 rows
-        return s[0]["type"] in FLOATS
+    if op in UNARY_OPS:  # contiguous f32/f16 rows
+        return s[0]["contiguous_rows"] and s[0]["type"] in FLOATS
     if op == "SUM_ROWS":  # f32
         return s[0]["type"] == F32
-    return op in {"ADD", "SUB", "MUL", "REPEAT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX"}
+    # the hybrid's recurrent layers need simdgroup reduction (every Apple-silicon GPU has it)
+    if op == "GATED_DELTA_NET":  # and a value head size that is a multiple of 32
+        return s[2]["ne"][0] % 32 == 0
+    return op in {"ADD", "SUB", "MUL", "REPEAT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX", "SSM_CONV"}
 
 
 @pytest.fixture(scope="module")
-def model64(tmp_path_factory):
-    # head_dim 64 like the default model (flash attention kernels exist for 64 and 128)
-    return write_tiny_qwen2(tmp_path_factory.mktemp("gpu") / "m64.gguf", n_embd=256, n_head=4, n_head_kv=2, seed=5)
+def models(tmp_path_factory):
+    """The tiny models by architecture, head_dim 64 like the default model (flash attention kernels exist
+    for 64 and 128)."""
+    root = tmp_path_factory.mktemp("gpu")
+    return {
+        "qwen2": write_tiny_qwen2(root / "m64.gguf", n_embd=256, n_head=4, n_head_kv=2, seed=5),
+        # an iSWA model (sliding-window and full-attention layers)
+        "olmo2-iswa": write_tiny_olmo2_swa(root / "iswa64.gguf", n_embd=256, n_head=4, n_head_kv=2, seed=6),
+        # a hybrid model (Qwen3.5: Gated DeltaNet layers with a recurrent state, full attention every 4th)
+        "qwen35-hybrid": write_tiny_qwen35(root / "hybrid64.gguf", head_dim=64, seed=8),
+    }
 
 
-@pytest.fixture(scope="module")
-def iswa64(tmp_path_factory):
-    # an iSWA model (sliding-window and full-attention layers), head_dim 64
-    return write_tiny_olmo2_swa(tmp_path_factory.mktemp("gpu") / "iswa64.gguf", n_embd=256, n_head=4, n_head_kv=2,
-                                seed=6)
+ARCHS = ["qwen2", "olmo2-iswa", "qwen35-hybrid"]
 
 
 # (KV cache type, centroid type)
@@ -176,10 +195,10 @@ TYPES = [(F16, F16), (Q8_0, F16), (F16, Q8_0)]
 @pytest.mark.parametrize("n_batch", [1, 9])  # a decode step; a question read as one routed batch
 @pytest.mark.parametrize("kv_type, centroid_type", TYPES)
 @pytest.mark.parametrize("mode", ["geometric", "window", "random"])
-@pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
-def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, iswa64, kv_type, centroid_type, mode, arch,
+@pytest.mark.parametrize("arch", ARCHS)
+def test_routed_graph_nodes_are_supported_on_cuda_and_metal(models, kv_type, centroid_type, mode, arch,
                                                             n_batch):
-    model = model64 if arch == "qwen2" else iswa64
+    model = models[arch]
     nodes = record_decode_graph(model, kv_type, RouteConfig(mode=mode, top_k=3, region=64),
                                 n_batch=n_batch, centroid_type=centroid_type)
     routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent"))]
@@ -190,11 +209,43 @@ def test_routed_graph_nodes_are_supported_on_cuda_and_metal(model64, iswa64, kv_
     assert not bad_metal, f"nodes Metal would not run: {bad_metal}"
 
 
+LAYOUT_OPS = {"NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"}
+
+
+def backend_runs(nodes: list[dict]) -> list[tuple[str, int]]:
+    """The computed nodes' buffers in the order the scheduler ran them, as (buffer, nodes) runs: one
+    run per backend change, which is what a scheduler split costs (a copy and a synchronisation)."""
+    runs: list[tuple[str, int]] = []
+    for n in nodes:
+        if n["op"] in LAYOUT_OPS or not n["buffer"]:
+            continue
+        if runs and runs[-1][0] == n["buffer"]:
+            runs[-1] = (n["buffer"], runs[-1][1] + 1)
+        else:
+            runs.append((n["buffer"], 1))
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["geometric", "window", "random"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_routed_nodes_run_where_their_layer_runs(models, arch, mode):
+    # on a GPU build every layer is offloaded: a routed node computed elsewhere would be a scheduler
+    # split back to the CPU (on a CPU build there is one backend and this holds trivially)
+    nodes = record_decode_graph(models[arch], F16, RouteConfig(mode=mode, top_k=3, region=64))
+    layer_buffers = {n["buffer"] for n in nodes if n["op"] == "MUL_MAT" and n["name"].startswith("Qcur")}
+    assert len(layer_buffers) == 1, f"the attention layers ran on several buffers: {layer_buffers}"
+    routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent")) and n["op"] not in LAYOUT_OPS]
+    assert routed, "the decode step did not take the routed path"
+    elsewhere = sorted({(n["op"], n["name"], n["buffer"]) for n in routed if n["buffer"] not in layer_buffers})
+    runs = backend_runs(nodes)
+    assert not elsewhere, f"routed nodes off the layers' backend {layer_buffers}: {elsewhere}; runs {runs}"
+
+
 @pytest.mark.parametrize("kv_type, centroid_type", TYPES)
-@pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
-def test_a_routed_prefill_ubatch_is_supported_on_cuda_and_metal(model64, iswa64, kv_type, centroid_type, arch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_routed_prefill_ubatch_is_supported_on_cuda_and_metal(models, kv_type, centroid_type, arch):
     # a document's ubatch routed as PrefillConfig does it: many queries, causal inside the ubatch
-    model = model64 if arch == "qwen2" else iswa64
+    model = models[arch]
     route = PrefillConfig(mode="routed", top_k=3).route()
     nodes = record_decode_graph(model, kv_type, route, n_batch=128, centroid_type=centroid_type)
     assert any(n["name"].startswith("kv_route_fattn") for n in nodes), "the ubatch did not take the routed path"
@@ -203,10 +254,10 @@ def test_a_routed_prefill_ubatch_is_supported_on_cuda_and_metal(model64, iswa64,
 
 
 @pytest.mark.parametrize("kv_type, centroid_type", TYPES)
-@pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
-def test_pins_from_a_dense_question_are_supported_on_cuda_and_metal(model64, iswa64, kv_type, centroid_type, arch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pins_from_a_dense_question_are_supported_on_cuda_and_metal(models, kv_type, centroid_type, arch):
     # the question's dense batch that sums its attention per region, then the step that reads the pins
-    model = model64 if arch == "qwen2" else iswa64
+    model = models[arch]
     route = RouteConfig(mode="geometric", top_k=3, region=64, keep=0.9, pin=2)
     nodes = record_decode_graph(model, kv_type, route, centroid_type=centroid_type, question=9)
     assert any(n["name"].startswith("kv_route_pin_mass") for n in nodes), "the question wrote no pins"
@@ -234,7 +285,7 @@ def _vendored_ggml() -> Path | None:
 def test_backends_still_list_the_ops_we_use():
     src = _vendored_ggml()
     used = {"GET_ROWS", "SET_ROWS", "CPY", "CONT", "CONCAT", "TOP_K", "FLASH_ATTN_EXT", "MUL_MAT", "ADD", "SUB", "SCALE",
-            "REPEAT", "ARANGE", "POOL_2D", "SOFT_MAX", "UNARY", "SUM_ROWS"}
+            "REPEAT", "ARANGE", "POOL_2D", "SOFT_MAX", "UNARY", "SUM_ROWS", "SSM_CONV", "GATED_DELTA_NET"}
     for path, fn in [
         (src / "ggml-cuda" / "ggml-cuda.cu", "ggml_backend_cuda_device_supports_op"),
         (src / "ggml-metal" / "ggml-metal-device.m", "ggml_metal_device_supports_op"),
