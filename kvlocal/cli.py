@@ -311,8 +311,9 @@ def models() -> None:
 def doctor() -> None:
     """Report the engine build, its patch set, backends, the default model and the cache."""
     from kvlocal import kvstate, paths
-    from kvlocal.engine import ENGINE_VERSION, engine_info
+    from kvlocal.engine import ENGINE_VERSION, backend_devices, engine_info
     from kvlocal.models import DEFAULT_ALIAS, model_status
+    from kvlocal.units import human_bytes
 
     info = engine_info()
     print(f"kvlocal {__version__}")
@@ -323,6 +324,9 @@ def doctor() -> None:
         state += f", OUT OF DATE (patches/ is {info.repo_patchset})"
     print(f"engine: {state}; patch set {info.patchset or '-'} (repository: {info.repo_patchset or '-'})")
     print(f"GPU offload: {'yes' if info.gpu_offload else 'no'}")
+    for dev in backend_devices():
+        memory = f", {human_bytes(dev.memory_total)}" if dev.memory_total else ""
+        print(f"device {dev.name}: {dev.description} ({dev.kind}{memory})")
     print(f"system: {info.system_info}")
     print(f"default model {DEFAULT_ALIAS}: {model_status(DEFAULT_ALIAS)}")
     try:

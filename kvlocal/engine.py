@@ -147,17 +147,22 @@ class RouteStatsC(ctypes.Structure):
     ]
 
 
-@functools.cache
-def ggml_lib() -> ctypes.CDLL:
-    """libggml-base beside the loaded libllama, with the tensor accessors that eval callbacks use."""
+def _lib_beside_llama(name: str) -> ctypes.CDLL:
+    """The ggml library `name` ("ggml-base", "ggml") that the loaded libllama sits beside."""
     from pathlib import Path
 
     lib_dir = Path(llama_cpp().llama_cpp._lib._name).parent
-    found = sorted(lib_dir.glob("libggml-base.so*")) + sorted(lib_dir.glob("libggml-base.dylib")) + sorted(
-        lib_dir.glob("ggml-base.dll"))
+    found = sorted(lib_dir.glob(f"lib{name}.so*")) + sorted(lib_dir.glob(f"lib{name}.dylib")) + sorted(
+        lib_dir.glob(f"{name}.dll"))
     if not found:
-        raise EngineError(f"libggml-base not found beside {lib_dir}")
-    lib = ctypes.CDLL(str(found[0]))
+        raise EngineError(f"lib{name} not found beside {lib_dir}")
+    return ctypes.CDLL(str(found[0]))
+
+
+@functools.cache
+def ggml_lib() -> ctypes.CDLL:
+    """libggml-base beside the loaded libllama, with the tensor accessors that eval callbacks use."""
+    lib = _lib_beside_llama("ggml-base")
     for name, argtypes, restype in (
         ("ggml_get_name", [ctypes.c_void_p], ctypes.c_char_p),
         ("ggml_op_desc", [ctypes.c_void_p], ctypes.c_char_p),
@@ -168,6 +173,46 @@ def ggml_lib() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
     return lib
+
+
+@dataclass(frozen=True)
+class BackendDevice:
+    name: str  # "CPU", "Vulkan0", "CUDA0", "MTL0"
+    description: str  # e.g. the GPU's name
+    kind: str  # "cpu", "gpu", "igpu", "accel"
+    memory_total: int  # bytes (0 where the backend does not say)
+
+
+DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}  # enum ggml_backend_dev_type
+
+
+def backend_devices() -> list[BackendDevice]:
+    """The devices the engine's backends registered (ggml_backend_dev_*), in ggml's order: the ones
+    llama.cpp offloads layers to come first, the CPU last."""
+    lib = _lib_beside_llama("ggml")
+    for name, argtypes, restype in (
+        ("ggml_backend_dev_count", [], ctypes.c_size_t),
+        ("ggml_backend_dev_get", [ctypes.c_size_t], ctypes.c_void_p),
+        ("ggml_backend_dev_name", [ctypes.c_void_p], ctypes.c_char_p),
+        ("ggml_backend_dev_description", [ctypes.c_void_p], ctypes.c_char_p),
+        ("ggml_backend_dev_type", [ctypes.c_void_p], ctypes.c_int),
+        ("ggml_backend_dev_memory", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                     ctypes.POINTER(ctypes.c_size_t)], None),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    devices = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        devices.append(BackendDevice(
+            name=lib.ggml_backend_dev_name(dev).decode(errors="replace"),
+            description=lib.ggml_backend_dev_description(dev).decode(errors="replace").strip(),
+            kind=DEVICE_KINDS.get(lib.ggml_backend_dev_type(dev), "other"),
+            memory_total=int(total.value),
+        ))
+    return devices
 
 
 @functools.cache

@@ -364,3 +364,17 @@ def test_route_settings_reach_the_engine_call(tiny_model, doc):
     assert "shortlist 4, keep 0.5" in result.stderr
     result = ask(doc, tiny_model, "--shortlist", "auto")
     assert result.exit_code == 0, result.stderr
+
+
+def test_doctor_names_the_backend_devices(cache_dir):
+    # the devices the engine's backends registered: the CPU always; a GPU build lists its GPU (or
+    # lavapipe, with GGML_VK_VISIBLE_DEVICES) before it
+    from kvlocal.engine import backend_devices
+
+    devices = backend_devices()
+    assert devices and devices[-1].kind == "cpu" and devices[-1].name == "CPU"
+    result = CliRunner().invoke(app, ["doctor"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("device ")]
+    assert [line.split(":")[0] for line in lines] == [f"device {d.name}" for d in devices]
+    assert lines[-1].startswith("device CPU: ") and "(cpu" in lines[-1]
