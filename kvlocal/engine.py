@@ -169,6 +169,9 @@ def ggml_lib() -> ctypes.CDLL:
         ("ggml_type_name", [ctypes.c_int], ctypes.c_char_p),
         ("ggml_nelements", [ctypes.c_void_p], ctypes.c_int64),
         ("ggml_backend_tensor_get", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t], None),
+        ("ggml_backend_buffer_name", [ctypes.c_void_p], ctypes.c_char_p),
+        ("ggml_is_contiguous", [ctypes.c_void_p], ctypes.c_bool),
+        ("ggml_is_contiguous_rows", [ctypes.c_void_p], ctypes.c_bool),
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
@@ -186,9 +189,9 @@ class BackendDevice:
 DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}  # enum ggml_backend_dev_type
 
 
-def backend_devices() -> list[BackendDevice]:
-    """The devices the engine's backends registered (ggml_backend_dev_*), in ggml's order: the ones
-    llama.cpp offloads layers to come first, the CPU last."""
+@functools.cache
+def _ggml_devices_lib() -> ctypes.CDLL:
+    """libggml (the backend registry) beside the loaded libllama, with the device accessors set."""
     lib = _lib_beside_llama("ggml")
     for name, argtypes, restype in (
         ("ggml_backend_dev_count", [], ctypes.c_size_t),
@@ -201,6 +204,13 @@ def backend_devices() -> list[BackendDevice]:
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def backend_devices() -> list[BackendDevice]:
+    """The devices the engine's backends registered (ggml_backend_dev_*), in ggml's order: the ones
+    llama.cpp offloads layers to come first, the CPU last."""
+    lib = _ggml_devices_lib()
     devices = []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)

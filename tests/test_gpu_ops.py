@@ -30,6 +30,7 @@ FLOATS = {F32, F16}
 # GGML_OP_UNARY nodes (ggml_op_desc names the unary op): ABS in the routed graph, the others in a
 # hybrid model's recurrent layers and output gate
 UNARY_OPS = {"ABS", "SIGMOID", "SILU", "SOFTPLUS"}
+LAYOUT_OPS = {"NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"}  # no compute: every backend takes them
 
 
 class GgmlTensor(ctypes.Structure):
@@ -72,9 +73,6 @@ def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: in
     """The nodes of a decode step (n_batch 1) or of a routed batch of n_batch tokens (a question);
     with `question` tokens read densely before the recorded step (the batch that writes the pins)."""
     lib = ggml_base()
-    for fn in (lib.ggml_is_contiguous, lib.ggml_is_contiguous_rows):
-        fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_bool
-    lib.ggml_backend_buffer_name.argtypes, lib.ggml_backend_buffer_name.restype = [ctypes.c_void_p], ctypes.c_char_p
     nodes: list[dict] = []
     state = {"on": False}
     module = llama_cpp()
@@ -109,7 +107,7 @@ def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: in
 
 def cuda_supports(n: dict) -> bool:
     op, s = n["op"], n["src"]
-    if op in ("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"):
+    if op in LAYOUT_OPS:
         return True
     if op == "GET_ROWS":  # src0 f16/f32/i32/q8_0 (and other quants)
         return s[0]["type"] in {F32, F16, I32, Q8_0}
@@ -142,7 +140,7 @@ def cuda_supports(n: dict) -> bool:
 
 def metal_supports(n: dict) -> bool:
     op, s = n["op"], n["src"]
-    if op in ("NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "SCALE", "ARANGE", "TOP_K"):
+    if op in LAYOUT_OPS | {"SCALE", "ARANGE", "TOP_K"}:
         return True
     if op == "GET_ROWS":
         return True  # every type but NVFP4 / TQ1_0
@@ -207,9 +205,6 @@ def test_routed_graph_nodes_are_supported_on_cuda_and_metal(models, kv_type, cen
     bad_metal = [(n["op"], n["name"]) for n in nodes if not metal_supports(n)]
     assert not bad_cuda, f"nodes CUDA would not run: {bad_cuda}"
     assert not bad_metal, f"nodes Metal would not run: {bad_metal}"
-
-
-LAYOUT_OPS = {"NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"}
 
 
 def backend_runs(nodes: list[dict]) -> list[tuple[str, int]]:
