@@ -595,6 +595,50 @@ def _eval_library(sizes: str, lengths: str, facts_per_doc: int, sets_per_seed: i
     print(library_report.markdown(library_report.summarize(rows)))
 
 
+def _lab_hints(sizes: str, lengths: str, seeds: str, hints: int, haystack: Path | None, hint_scope: str, out: Path,
+               model, threads, region: int, sinks: int) -> None:
+    """`kvlocal lab --library N`: see kvlocal/lab/hints.py."""
+    import json
+
+    from kvlocal.atomic import write_text_atomic
+    from kvlocal.errors import UsageError
+    from kvlocal.evals.library_cases import max_documents
+    from kvlocal.evals.library_runner import LibraryConfig, make_set_case
+    from kvlocal.hints import SCOPES
+    from kvlocal.ingest import load_document
+    from kvlocal.lab import hints as lab_hints
+
+    scopes = list(SCOPES) if hint_scope == "both" else [hint_scope]
+    if any(s not in SCOPES for s in scopes):
+        raise UsageError(f"--hint-scope: {hint_scope}; choose sentence, region or both")
+    size_list = _bounded("--library", _ints(sizes), 1, max_documents(2))
+    length_list = _lengths(lengths)
+    seed_list = _ints(seeds)
+    if not seed_list:
+        raise UsageError("--seeds names no seed")
+    RouteOptions(region=region, sinks=sinks, centroid_block=0).config("geometric")  # checked as the engine would
+    filler = load_document(haystack).text if haystack else None
+    session = _open_session(model, None, threads, "f16", library=True)
+    _check_lengths_fit(session, length_list)
+    rows = []
+    for n in size_list:
+        config = LibraryConfig(n, length_list, seed_list, ["geometric"])
+        for length in length_list:
+            for seed in seed_list:
+                case = make_set_case(session, config, length, seed, filler)
+                planned = session.set_cells(case.documents)
+                pieces = session.token_pieces(planned.tokens)
+                for scope in scopes:
+                    found = lab_hints.hint_coverage(pieces, planned.starts, planned.n_body, case, hints=hints,
+                                                    region=region, sinks=sinks, scope=scope)
+                    rows += [dict(r, n_documents=n, length=length, haystack=str(haystack or "")) for r in found]
+                    err(f"kvlocal: {n} x {length:,} seed {seed}, {scope} scope: {sum(r['code_read'] for r in found)} "
+                        f"of {len(found)} hints read their fact's code")
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "hints.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    print(lab_hints.markdown(lab_hints.summarize(rows)))
+
+
 def _lab_captures(out: Path, lengths: list[int], tasks: list[str], seeds: list[int], depth_list: list[float],
                   model, threads, *, name_of, load, capture):
     """(name, capture) of every haystack: loaded from OUT when it is there, else captured on the engine
@@ -666,13 +710,22 @@ def lab(
     region: RegionOpt = REGION,
     window: WindowOpt = WINDOW,
     sinks: SinksOpt = SINKS,
+    library: Annotated[str, typer.Option("--library", rich_help_panel=LIBRARY, metavar="N[,N...]", help="Check the text hints instead, from tokens alone (nothing prefilled): on the `kvlocal eval --library` sets of N documents, whether each fact's hinted regions lie in its document and hold its code whole.")] = "",
+    hints: Annotated[int, typer.Option("--hints", rich_help_panel=LIBRARY, min=1, max=MAX_TOP_K, help="With --library: the places hinted per question (as `kvlocal ask --hints`).")] = 1,
+    haystack: Annotated[Optional[Path], typer.Option("--haystack", rich_help_panel=LIBRARY, help="With --library: this document's text as every document's filler (started at another place in each), instead of generated prose.")] = None,
+    hint_scope: Annotated[str, typer.Option("--hint-scope", rich_help_panel=LIBRARY, help="With --library: what scores a hinted place: sentence (the question words within reach of it, what `kvlocal ask` uses), region (the words of its whole region, the earlier rule), or both.")] = "sentence",
 ) -> None:
     """Routing lab: capture the dense model's real queries and keys once per haystack, then replay selection rules offline.
 
     Per rule and budget: the attention-mass recall of the heads that reach beyond the sinks and window, whether the asked fact's region is read by the heads that attend to it, and the KV bytes the rule would read (metadata included). Captures stay in OUT: a second run replays without the engine.
 
     With --prefill: the queries of the document's own ubatches that hold facts (a routed prefill's choice), and per rule, chunk and budget the attention-output error of those rows against dense prefill.
+
+    With --library N: the text hints on library sets, from their tokens alone (seconds a set): where each fact's hint points and whether the regions it reads hold the asked code.
     """
+    if library.strip():
+        _lab_hints(library, lengths, seeds, hints, haystack, hint_scope, out, model, threads, region, sinks)
+        return
     import json
 
     from kvlocal.atomic import write_text_atomic

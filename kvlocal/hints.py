@@ -4,12 +4,14 @@ A region's key centroid is the mean of its 64 or so keys. Two regions that hold 
 with one word changed (a clause in every contract of a folder, a log line with another host) score
 alike, so the route cannot tell the asked fact from its look-alikes, and neither, at long range, can
 dense attention (BENCHMARKS.md section 7). The question usually names the word that tells them
-apart, and the session knows each cell's text. `hint_cells` ranks the regions that hold one of the
-question's rare words by the question words they share (each weighted by how few regions hold it)
-and names, for the best `n`, the cell of that rare word and the cell `FOLLOW` tokens after it (a
-fact's value follows its key, and may cross into the next region). The engine reads those regions
-with every head in place of as many top-k choices (llama_kv_route_set_hints, patch 0012), so a hinted
-step reads as many bytes as an unhinted one.
+apart, and the session knows each cell's text. `hint_cells` scores each place of one of the
+question's rare words by the question words within a sentence's reach of it (each weighted by how
+few regions hold it) and names, for the best `n` places, the cell of that rare word and the cell
+`FOLLOW` tokens after it (a fact's value follows its key, and may cross into the next region). The
+engine reads the regions of those cells with every head in place of as many top-k choices
+(llama_kv_route_set_hints, patch 0012); the session raises top-k to the number of hinted regions
+where it is smaller (RouteConfig.reading_hints), so a value cut by a region boundary is read whole,
+and counts what that costs like any other read.
 
 This is a lexical index beside the geometric one, not a replacement: a question that shares no rare
 word with the document gets no hint and is routed as before.
@@ -17,6 +19,7 @@ word with the document gets no hint and is routed as before.
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import math
 import re
@@ -68,37 +71,54 @@ def question_words(question: str) -> set[str]:
     return {word.lower() for word in WORD.findall(question)} - STOPWORDS
 
 
+SCOPES = ("sentence", "region")  # what a place's score counts: words within `follow` tokens, or in its region
+
+
 def hint_cells(index: TextIndex, question: str, n: int, region: int, follow: int = FOLLOW,
-               skip_regions: int = 0) -> list[int]:
-    """Cells to hint for a question: for each of the `n` best regions holding a rare question word,
-    the cell of its rarest such word and the cell `follow` tokens later; [] when no word is rare.
+               skip_regions: int = 0, scope: str = "sentence") -> list[int]:
+    """Cells to hint for a question: for each of the `n` best places of a rare question word (in
+    distinct regions), the cell of that word and the cell `follow` tokens later; [] when no word is
+    rare. A place is scored by the question words found within `follow` tokens of it, each weighted
+    by how few regions hold it: the sentence around the word, wherever a region boundary cuts it (a
+    score by whole regions let a look-alike that fills one region beat the asked fact cut in two).
     The first `skip_regions` regions (the sinks, always read, where the prompt's instructions sit)
-    are not hinted."""
+    are not hinted. `scope` "region" scores a place by the words of its whole region instead (the
+    rule before the sentence's reach; `kvlocal lab --library --hint-scope` compares them)."""
+    if scope not in SCOPES:
+        raise ValueError(f"unknown hint scope {scope!r}")
     if n <= 0 or index.n_cells == 0:
         return []
     n_regions = -(-index.n_cells // region)
-    regions_of = {word: sorted({cell // region for cell in index.words[word]})
-                  for word in question_words(question) if word in index.words}
-    if not regions_of:
+    cells_of = {word: index.words[word] for word in question_words(question) if word in index.words}
+    if not cells_of:
         return []
-    idf = {word: math.log(1 + (n_regions - len(rs) + 0.5) / (len(rs) + 0.5)) for word, rs in regions_of.items()}
+    regions_of = {word: len({cell // region for cell in cells}) for word, cells in cells_of.items()}
+    idf = {word: math.log(1 + (n_regions - k + 0.5) / (k + 0.5)) for word, k in regions_of.items()}
     common = max(1.0, COMMON_SHARE * n_regions)
-    score: dict[int, float] = defaultdict(float)
-    anchor: dict[int, tuple[float, int]] = {}  # region -> (idf, cell) of its rarest rare word
-    for word, regions in regions_of.items():
-        for r in regions:
-            score[r] += idf[word]
-        if len(regions) > common:
-            continue
-        for cell in index.words[word]:
-            r = cell // region
-            if r < skip_regions:
+
+    def near(cells: tuple[int, ...], cell: int) -> bool:
+        lo, hi = (cell - follow, cell + follow) if scope == "sentence" else (cell // region * region,
+                                                                              cell // region * region + region - 1)
+        i = bisect.bisect_left(cells, lo)
+        return i < len(cells) and cells[i] <= hi
+
+    places: list[tuple[float, float, int]] = []  # (score, the word's idf, cell)
+    for word, cells in cells_of.items():
+        if regions_of[word] > common:
+            continue  # a common word ranks places; it does not make one
+        for cell in cells:
+            if cell // region < skip_regions:
                 continue
-            if r not in anchor or idf[word] > anchor[r][0]:
-                anchor[r] = (idf[word], cell)
-    best = sorted(anchor, key=lambda r: (-score[r], r))[:n]
-    cells: list[int] = []
-    for r in best:
-        cell = anchor[r][1]
-        cells += [cell, cell + follow]
-    return cells
+            score = sum(idf[w] for w, ws in cells_of.items() if near(ws, cell))
+            places.append((score, idf[word], cell))
+    places.sort(key=lambda p: (-p[0], -p[1], p[2]))
+    hinted: list[int] = []
+    taken: set[int] = set()
+    for _, _, cell in places:
+        if len(taken) == n:
+            break
+        if cell // region in taken:
+            continue
+        taken.add(cell // region)
+        hinted += [cell, cell + follow]
+    return hinted

@@ -197,13 +197,10 @@ class Library(Session):
         self.llm = None
         self.n_prefix, self.n_prefix_cells, self.spans, self.layout, self._cell_tokens = 0, None, (), "", []
         self.parts = build_prompt("", self.chat_template, model_name=self.model.path.name)
-        head = self._padded(self.tokenize_prompt([Segment(self.parts.head, True)], bos=True))
-        middle = self.tokenize_prompt([Segment(self.parts.middle, True)], bos=False)
-        body_tokens = [self.tokenize(doc.text.strip(), bos=False) for doc in documents]
-        bodies = [self._padded(tokens) for tokens in body_tokens]
-        n_body = [len(tokens) for tokens in body_tokens]
-        page_tokens = [self._page_tokens(doc, tokens) for doc, tokens in zip(documents, body_tokens)]
-        del body_tokens
+        planned = self.set_cells(documents, pages=True)
+        head, middle, bodies, n_body, page_tokens = (planned.head, planned.middle, planned.bodies, planned.n_body,
+                                                     planned.page_tokens)
+        del planned
         longest = max(len(b) for b in bodies)
         if len(head) + longest + ANSWER_RESERVE > self.trained_ctx:
             i = max(range(len(bodies)), key=lambda j: len(bodies[j]))
@@ -306,6 +303,21 @@ class Library(Session):
         return SetLoad(tuple(loads), self.spans, layout, n_cells, self.n_prefix, n_ctx, end - start,
                        end - ready_start + sum(d.seconds for d in loads if d.cache_hit))
 
+    def set_cells(self, documents: Sequence[Document], *, pages: bool = False) -> SetCells:
+        """The tokens a set's cache holds, in cell order, without loading anything: the padded
+        template head, each body padded to LAYOUT_UNIT cells, the prompt's middle (and, with `pages`,
+        where each document's pages start among its body's tokens)."""
+        parts = build_prompt("", self.chat_template, model_name=self.model.path.name)
+        head = self._padded(self.tokenize_prompt([Segment(parts.head, True)], bos=True))
+        middle = self.tokenize_prompt([Segment(parts.middle, True)], bos=False)
+        bodies, n_body, page_tokens = [], [], []
+        for doc in documents:
+            tokens = self.tokenize(doc.text.strip(), bos=False)
+            n_body.append(len(tokens))
+            page_tokens.append(self._page_tokens(doc, tokens) if pages else ())
+            bodies.append(self._padded(tokens))
+        return SetCells(head, bodies, middle, n_body, page_tokens)
+
     def _page_tokens(self, doc: Document, tokens: list[int]) -> tuple[int, ...]:
         """The index in `tokens` (`doc.text.strip()` tokenized) of the token where each of the
         document's pages starts; () for a document without pages.
@@ -407,6 +419,30 @@ class Library(Session):
     def read_tally(self) -> SetReads:
         """An empty tally of the reads of the next answer, by document (feed it each step's ReadStats)."""
         return SetReads(self.spans, self.prefix_cells)
+
+
+@dataclass
+class SetCells:
+    """A set's cache in cell order, before it is loaded (Library.set_cells)."""
+
+    head: list[int]
+    bodies: list[list[int]]  # each padded to a whole number of LAYOUT_UNIT cells
+    middle: list[int]
+    n_body: list[int]  # each body's own tokens, padding left out
+    page_tokens: list[tuple[int, ...]]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.head + [t for body in self.bodies for t in body] + self.middle
+
+    @property
+    def starts(self) -> list[int]:
+        """The first cell of each body."""
+        starts, cell = [], len(self.head)
+        for body in self.bodies:
+            starts.append(cell)
+            cell += len(body)
+        return starts
 
 
 def _positive(value: str) -> bool:

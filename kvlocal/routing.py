@@ -169,6 +169,14 @@ class RouteConfig:
         """Matches of the question's words whose regions the answer reads (geometric routing only)."""
         return self.hints if self.route_mode == RouteMode.GEOMETRIC else 0
 
+    def reading_hints(self, n_regions: int) -> RouteConfig:
+        """The route that has room for `n_regions` hinted regions: top-k raised to it where it is
+        smaller (a hint whose sentence runs on into the next region names both, and the engine reads
+        hints in place of top-k choices), the pins as they were."""
+        if n_regions <= self.top_k:
+            return self
+        return replace(self, top_k=n_regions, pin=self.pins)
+
     @property
     def route_mode(self) -> RouteMode:
         return MODE_NAMES[self.mode]

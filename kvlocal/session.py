@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -429,22 +429,32 @@ class Session:
         """The tokens of the prefix (template head and document) in cell order."""
         return [int(t) for t in self.llm.input_ids[: self.n_prefix]]
 
+    def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        """Each token's bytes, control tokens spelled out (what a text index reads)."""
+        pieces = {t: self._vocab_llm.detokenize([t], special=True) for t in set(tokens)}
+        return [pieces[t] for t in tokens]
+
     def _set_hints(self, question: str, route: RouteConfig) -> tuple[int, ...]:
         """Name the cells the question's rare words hint to the engine (none unless route.hints)."""
         cells: list[int] = []
         if route.hinted:
             if self._text_index is None:
-                pieces: dict[int, bytes] = {}
-                tokens = self.prefix_cell_tokens()
-                for t in set(tokens):
-                    pieces[t] = self.llm.detokenize([t], special=True)
-                self._text_index = TextIndex.of(pieces[t] for t in tokens)
+                self._text_index = TextIndex.of(self.token_pieces(self.prefix_cell_tokens()))
             cells = hint_cells(self._text_index, question, route.hinted, route.region,
                                skip_regions=-(-route.sinks // route.region))
         array = (ctypes.c_int32 * max(1, len(cells)))(*cells)
         if route_api().llama_kv_route_set_hints(self.ctx, array, len(cells)) != 0 and cells:
             raise EngineError("the engine did not take the route hints")
         return tuple(cells)
+
+    def _hinted_regions(self, cells: Sequence[int], route: RouteConfig) -> int:
+        """The regions of hinted cells the engine can read in place of a top-k choice: past the
+        sinks, and before the window (which takes the prefix's last `route.window` cells and what
+        follows them; a hint there is read anyway)."""
+        first = -(-route.sinks // route.region)
+        end = self.prefix_cells - route.window
+        regions = {c // route.region for c in cells}
+        return len({r for r in regions if r >= first and r * route.region < end})
 
     def _rewind(self) -> None:
         """Drop the previous question and answer, keep the document."""
@@ -516,8 +526,9 @@ class Session:
         module = llama_cpp()
         with self._lock:
             self._rewind()
-            route.apply(self.ctx)
             hints = self._set_hints(question, route)
+            route = route.reading_hints(self._hinted_regions(hints, route))
+            route.apply(self.ctx)
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
             room = self.llm.n_ctx() - self.prefix_cells - len(q_tokens)
             if room < 1:

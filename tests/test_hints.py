@@ -82,3 +82,41 @@ def test_hints_apply_to_geometric_routing_only_and_are_bounded():
     assert RouteConfig(mode="random", hints=1).hinted == 0
     with pytest.raises(UsageError):
         RouteConfig(hints=-1)
+
+
+def test_a_fact_cut_by_a_region_boundary_beats_a_look_alike_that_fills_one_region():
+    """Scored by whole regions, a look-alike that fills one region outscores the asked fact when a
+    region boundary cuts the fact's sentence in two (the library's wrong-document hints); scored by
+    the words within the sentence's reach of the rare word, the asked fact wins."""
+    words = filler(64 * 40)
+    words[2 * 64 + 10 : 2 * 64 + 17] = ["locker", "at", "the", "oslo", "depot", "opens", "code"]
+    porto = 6 * 64 + 63  # the last cell of region 6: its sentence runs on into region 7
+    words[porto - 3 : porto + 4] = ["locker", "at", "the", "porto", "depot", "opens", "code"]
+    index = index_of(words)
+    question = "Which code opens the locker at the Porto depot?"
+    assert hint_cells(index, question, n=1, region=64, scope="region")[0] // 64 == 2
+    cells = hint_cells(index, question, n=1, region=64)
+    assert cells == [porto, porto + FOLLOW]
+    assert {c // 64 for c in cells} == {6, 7}
+    with pytest.raises(ValueError):
+        hint_cells(index, question, n=1, region=64, scope="page")
+
+
+def test_two_places_in_one_region_make_one_hint():
+    words = filler(64 * 40)
+    words[5 * 64 + 2 : 5 * 64 + 5] = ["porto", "depot", "code"]
+    words[5 * 64 + 30 : 5 * 64 + 33] = ["porto", "depot", "code"]
+    words[9 * 64 + 2 : 9 * 64 + 5] = ["porto", "depot", "code"]
+    cells = hint_cells(index_of(words), "The Porto depot code?", n=2, region=64)
+    assert [c // 64 for c in cells[::2]] == [5, 9]
+
+
+def test_a_route_makes_room_for_its_hinted_regions():
+    route = RouteConfig(mode="geometric", top_k=1, hints=1, question="steps")
+    assert route.reading_hints(2).top_k == 2
+    assert route.reading_hints(1) is route and route.reading_hints(0) is route
+    wide = RouteConfig(mode="geometric", top_k=4, hints=1)
+    assert wide.reading_hints(2) is wide
+    # the pins stay what they were at the asked top-k
+    pinned = RouteConfig(mode="geometric", top_k=1, pin=2, keep=0.9, question="dense", hints=1)
+    assert pinned.pins == 1 and pinned.reading_hints(2).pins == 1

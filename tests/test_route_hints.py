@@ -105,3 +105,41 @@ def test_the_session_hints_the_region_that_names_the_asked_word(tiny_model, tmp_
     # every head of every routed layer read the word's region at every answer step
     assert steps and all(region in heads for st in steps for layer in st.regions for heads in layer)
     assert plain.hint_cells == ()
+
+
+def test_at_top_1_a_hint_whose_sentence_runs_on_reads_the_next_region_too(tiny_model, tmp_path, monkeypatch):
+    """Top-1 used to leave room for the rare word's region only: a value past that region's end was
+    not read (the library's copy losses). The session raises top-k to the hinted regions' number."""
+    from kvlocal.hints import FOLLOW
+    from kvlocal.session import Session
+
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
+    lines = [f"entry {i}: the value is {i * 7 % 101}." for i in range(120)]
+    lines[60] = "entry 60: the zanzibar value is 4242."
+    route = RouteConfig(mode="geometric", top_k=1, region=64, hints=1, question="steps")
+    question = "Which value does Zanzibar have?"
+    session = Session(str(tiny_model), threads=2, n_ctx=4096)
+    try:
+        session.load_document(" ".join(lines), use_cache=False)
+        cell = session.answer(question, route=route, max_tokens=1).hint_cells[0]
+        # move the word to 8 cells before its region's end ('#' is one token a character here)
+        pad = (64 - 8 - cell % 64) % 64
+        session.load_document("#" * pad + " " + " ".join(lines), use_cache=False)
+        answer = session.ask(question, route=route, max_tokens=3, want_regions=True)
+        steps = [piece.stats for piece in answer if piece.stats is not None]
+        summary = answer.summary()
+        a, b = summary.hint_cells[:2]
+        assert a % 64 > 64 - FOLLOW and b == a + FOLLOW and b // 64 == a // 64 + 1
+        assert session.span_text(a, a + 8).lower().lstrip().startswith("zanzibar")
+        unhinted = RouteConfig(mode="geometric", top_k=1, region=64, question="steps")
+        plain = [p.stats for p in session.ask(question, route=unhinted, max_tokens=1, want_regions=True) if p.stats]
+    finally:
+        session.close()
+    assert summary.route.top_k == 2
+    # every head of every routed layer read both regions at every answer step, and nothing else routed
+    for st in steps:
+        for layer in st.regions:
+            for heads in layer:
+                assert {a // 64, b // 64} <= set(heads.tolist())
+    # the second region is counted like any read: one region more than the unhinted top-1 step
+    assert steps[0].n_sel == plain[0].n_sel + 1

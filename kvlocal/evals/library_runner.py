@@ -202,6 +202,8 @@ def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config
         # the documents of the cells the question's words hinted (route hints), in hint order
         "hint_documents": [labels.index(span.label) if (span := session.document_at(c)) else None
                            for c in summary.hint_cells[::2]],
+        "hint_cells": list(summary.hint_cells),
+        "top_k_read": summary.route.top_k,  # top_k, raised to the hinted regions where they are more
         "model": session.model.alias or session.model.path.name,
     }
     log(f"{base['n_documents']}x{base['length']} s{base['seed']} {base['reference']:<6} {route.mode:<9} "
