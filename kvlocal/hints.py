@@ -6,8 +6,9 @@ alike, so the route cannot tell the asked fact from its look-alikes, and neither
 dense attention (BENCHMARKS.md section 7). The question usually names the word that tells them
 apart, and the session knows each cell's text. `hint_cells` scores each place of one of the
 question's rare words by the question words within a sentence's reach of it (each weighted by how
-few regions hold it) and names, for the best `n` places, the cell of that rare word and the cell
-`FOLLOW` tokens after it (a fact's value follows its key, and may cross into the next region). The
+few regions hold it) and names, for the best `n` places, the cell of that rare word and the cell its sentence ends at
+(`FOLLOW` tokens to a region's length on: a fact's value follows its key, and may cross into the
+next region). The
 engine reads the regions of those cells with every head in place of as many top-k choices
 (llama_kv_route_set_hints, patch 0012); the session raises top-k to the number of hinted regions
 where it is smaller (RouteConfig.reading_hints), so a value cut by a region boundary is read whole,
@@ -34,16 +35,20 @@ STOPWORDS = frozenset(
     "into is it its me my no not of on or our she he so than that the their them then there these they "
     "this those to us was we were what when where which while who whom whose why will with would you your".split()
 )
-FOLLOW = 24  # tokens after a hinted word that are read too: the rest of its sentence
+FOLLOW = 24  # tokens after a hinted word that are read too, at least: the rest of its sentence
+SENTENCE_END = re.compile(r"[.!?;](?=\s|$)|\n")
 COMMON_SHARE = 0.125  # a word in more than this share of the regions is common: it ranks, it does not hint
 
 
 @dataclass(frozen=True)
 class TextIndex:
-    """The words of a context's prefix (lower-cased) and the cells each starts at, ascending."""
+    """The words of a context's prefix (lower-cased) and the cells each starts at, ascending, and the
+    cells where a sentence ends (a full stop, question or exclamation mark or semicolon before a space,
+    or a line break)."""
 
     words: dict[str, tuple[int, ...]]
     n_cells: int
+    ends: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, pieces: Iterable[bytes]) -> TextIndex:
@@ -58,13 +63,22 @@ class TextIndex:
             chunks.append(text)
             char_cells.extend([cell] * len(text))
             n_cells = cell + 1
+        text = "".join(chunks)
         words: dict[str, list[int]] = defaultdict(list)
-        for match in WORD.finditer("".join(chunks)):
+        for match in WORD.finditer(text):
             cells = words[match.group().lower()]
             cell = char_cells[match.start()]
             if not cells or cells[-1] != cell:
                 cells.append(cell)
-        return cls({word: tuple(cells) for word, cells in words.items()}, n_cells)
+        ends = sorted({char_cells[m.start()] for m in SENTENCE_END.finditer(text)})
+        return cls({word: tuple(cells) for word, cells in words.items()}, n_cells, tuple(ends))
+
+    def follow_of(self, cell: int, follow: int, most: int) -> int:
+        """The cell a hint reads to from a word at `cell`: its sentence's end, at least `follow` and at
+        most `most` cells on."""
+        i = bisect.bisect_right(self.ends, cell)
+        end = self.ends[i] if i < len(self.ends) else cell + most
+        return cell + max(follow, min(most, end - cell))
 
 
 def question_words(question: str) -> set[str]:
@@ -77,8 +91,8 @@ SCOPES = ("sentence", "region")  # what a place's score counts: words within `fo
 def hint_cells(index: TextIndex, question: str, n: int, region: int, follow: int = FOLLOW,
                skip_regions: int = 0, scope: str = "sentence") -> list[int]:
     """Cells to hint for a question: for each of the `n` best places of a rare question word (in
-    distinct regions), the cell of that word and the cell `follow` tokens later; [] when no word is
-    rare. A place is scored by the question words found within `follow` tokens of it, each weighted
+    distinct regions), the cell of that word and the cell its sentence ends at, at least `follow` and
+    at most a region's length later (TextIndex.follow_of); [] when no word is rare. A place is scored by the question words found within `follow` tokens of it, each weighted
     by how few regions hold it: the sentence around the word, wherever a region boundary cuts it (a
     score by whole regions let a look-alike that fills one region beat the asked fact cut in two).
     The first `skip_regions` regions (the sinks, always read, where the prompt's instructions sit)
@@ -120,5 +134,5 @@ def hint_cells(index: TextIndex, question: str, n: int, region: int, follow: int
         if cell // region in taken:
             continue
         taken.add(cell // region)
-        hinted += [cell, cell + follow]
+        hinted += [cell, index.follow_of(cell, follow, max(follow, region))]
     return hinted

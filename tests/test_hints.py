@@ -42,7 +42,7 @@ def test_the_region_holding_the_rare_key_word_is_hinted_with_the_tokens_after_it
     index = index_of(words)
     cells = hint_cells(index, "Which code opens the locker at the Porto depot?", n=1, region=64)
     porto = 6 * 64 + 43
-    assert cells == [porto, porto + FOLLOW]
+    assert cells == [porto, porto + 64]  # no sentence ends in this text: a region's length on
     assert {c // 64 for c in cells} == {6, 7}  # the value after the key may sit in the next region
     # a second hint needs a second region with a rare word: the look-alikes' words are in 4 of 10
     # regions here, common
@@ -96,7 +96,7 @@ def test_a_fact_cut_by_a_region_boundary_beats_a_look_alike_that_fills_one_regio
     question = "Which code opens the locker at the Porto depot?"
     assert hint_cells(index, question, n=1, region=64, scope="region")[0] // 64 == 2
     cells = hint_cells(index, question, n=1, region=64)
-    assert cells == [porto, porto + FOLLOW]
+    assert cells[0] == porto
     assert {c // 64 for c in cells} == {6, 7}
     with pytest.raises(ValueError):
         hint_cells(index, question, n=1, region=64, scope="page")
@@ -120,3 +120,18 @@ def test_a_route_makes_room_for_its_hinted_regions():
     # the pins stay what they were at the asked top-k
     pinned = RouteConfig(mode="geometric", top_k=1, pin=2, keep=0.9, question="dense", hints=1)
     assert pinned.pins == 1 and pinned.reading_hints(2).pins == 1
+
+
+def test_a_hint_reads_to_its_sentence_s_end_at_least_follow_and_at_most_a_region_on():
+    index = TextIndex.of([b"The", b" Oslo", b" code", b" is", b" 42", b".", b" Next", b" one", b"\n", b"x"] + [b" w"] * 100)
+    assert index.ends == (5, 8)
+    assert index.follow_of(1, FOLLOW, 64) == 1 + FOLLOW  # the sentence ends sooner: FOLLOW on
+    assert index.follow_of(1, 2, 64) == 5  # its end
+    assert index.follow_of(6, 1, 64) == 8  # a line break ends it too
+    assert index.follow_of(9, FOLLOW, 64) == 9 + 64  # no end after it: a region's length on
+    decimal = TextIndex.of([b" pi", b" is", b" 3", b".", b"14", b" here", b".", b" x"])
+    assert decimal.ends == (6,)  # a point inside a number ends nothing
+    words = filler(64 * 20)
+    words[5 * 64 + 10 : 5 * 64 + 16] = ["the", "porto", "code", "is", "cobalt-1234", "."]
+    cells = hint_cells(index_of(words), "The Porto code?", n=1, region=64)
+    assert cells == [5 * 64 + 11, 5 * 64 + 11 + FOLLOW]
