@@ -483,6 +483,7 @@ def eval_(
     facts_per_doc: Annotated[int, typer.Option("--facts-per-doc", rich_help_panel=LIBRARY, min=1, max=8, help="Facts planted in each document of a --library set.")] = 2,
     references: Annotated[str, typer.Option("--references", rich_help_panel=LIBRARY, help="What else the --library facts are asked of: alone (each fact of its own document, from its cached state), concat (the set prefilled as one document, where it fits the trained context; 32k: ~30 min on 2 cores), none.")] = "alone",
     layout: Annotated[str, typer.Option("--layout", rich_help_panel=LIBRARY, help="A --library set's positions: auto (consecutive while the set fits the trained context, else parallel), consecutive or parallel.")] = "auto",
+    paraphrase: Annotated[bool, typer.Option("--paraphrase", rich_help_panel=LIBRARY, help="Ask each --library fact in other words (the key word kept, the rest reworded); the documents, and their cached states, stay the same.")] = False,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
 
@@ -500,7 +501,7 @@ def eval_(
         if quick:
             raise UsageError("--quick is the needle grid's check; leave out --library")
         _eval_library(library, lengths, facts_per_doc, sets_per_seed, references, layout, modes, seeds, haystack, out,
-                      model, max_tokens, threads, routing)
+                      model, max_tokens, threads, routing, paraphrase)
         return
     if quick:
         # a 2k context holds about 18 regions: with 4 routed ones geometric matches dense there and
@@ -554,7 +555,8 @@ def eval_(
 
 
 def _eval_library(sizes: str, lengths: str, facts_per_doc: int, sets_per_seed: int, references: str, layout: str,
-                  modes: str, seeds: str, haystack: Path | None, out: Path, model, max_tokens, threads, routing) -> None:
+                  modes: str, seeds: str, haystack: Path | None, out: Path, model, max_tokens, threads, routing,
+                  paraphrase: bool = False) -> None:
     """`kvlocal eval --library N`: see kvlocal/evals/library_runner.py."""
     from kvlocal.errors import UsageError
     from kvlocal.evals import library_report
@@ -579,7 +581,7 @@ def _eval_library(sizes: str, lengths: str, facts_per_doc: int, sets_per_seed: i
     length_list = [8192] if lengths == DEFAULT_EVAL_LENGTHS else _lengths(lengths)
     configs = [LibraryConfig(n, length_list, _ints(seeds), mode_list, route=routing.config(DEFAULT_MODE),
                              references=refs, facts_per_doc=facts_per_doc, layout=None if layout == "auto" else layout,
-                             max_tokens=max_tokens, sets_per_seed=sets_per_seed) for n in size_list]
+                             max_tokens=max_tokens, sets_per_seed=sets_per_seed, paraphrase=paraphrase) for n in size_list]
     if not configs[0].seeds:
         raise UsageError("--seeds names no seed")
     if out.exists() and not out.is_dir():
@@ -595,8 +597,8 @@ def _eval_library(sizes: str, lengths: str, facts_per_doc: int, sets_per_seed: i
     print(library_report.markdown(library_report.summarize(rows)))
 
 
-def _lab_hints(sizes: str, lengths: str, seeds: str, hints: int, haystack: Path | None, hint_scope: str, out: Path,
-               model, threads, region: int, sinks: int) -> None:
+def _lab_hints(sizes: str, lengths: str, seeds: str, hints: int, haystack: Path | None, hint_scope: str,
+               paraphrase: bool, out: Path, model, threads, region: int, sinks: int) -> None:
     """`kvlocal lab --library N`: see kvlocal/lab/hints.py."""
     import json
 
@@ -622,7 +624,7 @@ def _lab_hints(sizes: str, lengths: str, seeds: str, hints: int, haystack: Path 
     _check_lengths_fit(session, length_list)
     rows = []
     for n in size_list:
-        config = LibraryConfig(n, length_list, seed_list, ["geometric"])
+        config = LibraryConfig(n, length_list, seed_list, ["geometric"], paraphrase=paraphrase)
         for length in length_list:
             for seed in seed_list:
                 case = make_set_case(session, config, length, seed, filler)
@@ -631,7 +633,8 @@ def _lab_hints(sizes: str, lengths: str, seeds: str, hints: int, haystack: Path 
                 for scope in scopes:
                     found = lab_hints.hint_coverage(pieces, planned.starts, planned.n_body, case, hints=hints,
                                                     region=region, sinks=sinks, scope=scope)
-                    rows += [dict(r, n_documents=n, length=length, haystack=str(haystack or "")) for r in found]
+                    rows += [dict(r, n_documents=n, length=length, haystack=str(haystack or ""),
+                                  questions="paraphrased" if paraphrase else "template") for r in found]
                     err(f"kvlocal: {n} x {length:,} seed {seed}, {scope} scope: {sum(r['code_read'] for r in found)} "
                         f"of {len(found)} hints read their fact's code")
     out.mkdir(parents=True, exist_ok=True)
@@ -713,6 +716,7 @@ def lab(
     library: Annotated[str, typer.Option("--library", rich_help_panel=LIBRARY, metavar="N[,N...]", help="Check the text hints instead, from tokens alone (nothing prefilled): on the `kvlocal eval --library` sets of N documents, whether each fact's hinted regions lie in its document and hold its code whole.")] = "",
     hints: Annotated[int, typer.Option("--hints", rich_help_panel=LIBRARY, min=1, max=MAX_TOP_K, help="With --library: the places hinted per question (as `kvlocal ask --hints`).")] = 1,
     haystack: Annotated[Optional[Path], typer.Option("--haystack", rich_help_panel=LIBRARY, help="With --library: this document's text as every document's filler (started at another place in each), instead of generated prose.")] = None,
+    paraphrase: Annotated[bool, typer.Option("--paraphrase", rich_help_panel=LIBRARY, help="With --library: ask each fact in other words (as `kvlocal eval --library --paraphrase`).")] = False,
     hint_scope: Annotated[str, typer.Option("--hint-scope", rich_help_panel=LIBRARY, help="With --library: what scores a hinted place: sentence (the question words within reach of it, what `kvlocal ask` uses), region (the words of its whole region, the earlier rule), or both.")] = "sentence",
 ) -> None:
     """Routing lab: capture the dense model's real queries and keys once per haystack, then replay selection rules offline.
@@ -724,7 +728,7 @@ def lab(
     With --library N: the text hints on library sets, from their tokens alone (seconds a set): where each fact's hint points and whether the regions it reads hold the asked code.
     """
     if library.strip():
-        _lab_hints(library, lengths, seeds, hints, haystack, hint_scope, out, model, threads, region, sinks)
+        _lab_hints(library, lengths, seeds, hints, haystack, hint_scope, paraphrase, out, model, threads, region, sinks)
         return
     import json
 

@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-WORD = re.compile(r"\w+(?:[-']\w+)*")
+WORD = re.compile(r"\w+(?:[-'\u2019]\w+)*")
 # words too common in questions to say where an answer is
 STOPWORDS = frozenset(
     "a about an and any are as at be been but by can could did do does for from had has have how i if in "
@@ -66,7 +66,7 @@ class TextIndex:
         text = "".join(chunks)
         words: dict[str, list[int]] = defaultdict(list)
         for match in WORD.finditer(text):
-            cells = words[match.group().lower()]
+            cells = words[normal_word(match.group())]
             cell = char_cells[match.start()]
             if not cells or cells[-1] != cell:
                 cells.append(cell)
@@ -81,10 +81,17 @@ class TextIndex:
         return cell + max(follow, min(most, end - cell))
 
 
+def normal_word(word: str) -> str:
+    """A word as the index keeps it: lower-cased, a possessive's 's left off ("Belfast's": belfast)."""
+    word = word.lower().replace("\u2019", "'")
+    return word[:-2] if word.endswith("'s") and len(word) > 2 else word
+
+
 def question_words(question: str) -> set[str]:
-    return {word.lower() for word in WORD.findall(question)} - STOPWORDS
+    return {normal_word(word) for word in WORD.findall(question)} - STOPWORDS
 
 
+RULE = "sentence"  # the rule hint_cells applies (eval rows record it: rows before it was recorded ran "region")
 SCOPES = ("sentence", "region")  # what a place's score counts: words within `follow` tokens, or in its region
 
 

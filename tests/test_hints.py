@@ -135,3 +135,13 @@ def test_a_hint_reads_to_its_sentence_s_end_at_least_follow_and_at_most_a_region
     words[5 * 64 + 10 : 5 * 64 + 16] = ["the", "porto", "code", "is", "cobalt-1234", "."]
     cells = hint_cells(index_of(words), "The Porto code?", n=1, region=64)
     assert cells == [5 * 64 + 11, 5 * 64 + 11 + FOLLOW]
+
+
+def test_a_possessive_names_the_same_word():
+    from kvlocal.hints import normal_word
+
+    assert normal_word("Okafor's") == "okafor" and normal_word("Okafor\u2019s") == "okafor"
+    assert normal_word("it's") == "it" and normal_word("'s") == "'s"
+    index = TextIndex.of([b" Ms", b" Okafor", "\u2019s".encode(), b" contract"])
+    assert index.words["okafor"] == (1,)
+    assert "okafor" in question_words("Which clause of Ms Okafor's contract?")

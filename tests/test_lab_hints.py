@@ -77,7 +77,7 @@ def test_the_summary_counts_shares_with_intervals_per_seed_and_over_all():
     assert summary[-1]["code_read"] == 0.5 and summary[-1]["n"] == 2
     lo, hi = summary[-1]["code_read_ci"]
     assert 0 < lo < 0.5 < hi < 1
-    assert "| 2 x 8k | generated | sentence | all | 2 |" in markdown(summary)
+    assert "| 2 x 8k | generated | template | sentence | all | 2 |" in markdown(summary)
 
 
 @pytest.mark.engine
@@ -93,7 +93,7 @@ def test_the_command_checks_the_hints_on_the_tiny_model(tiny_model, tmp_path):
     # so per fact (with the default model's tokens the hinted regions held every code: BENCHMARKS.md §7)
     assert all(r["in_document"] for r in rows if r["scope"] == "sentence")
     assert {r["code_read"] for r in rows} <= {True, False}
-    assert "| 2 x 2k | generated | sentence | all | 8 |" in result.output
+    assert "| 2 x 2k | generated | template | sentence | all | 8 |" in result.output
 
 
 def test_the_command_refuses_an_unknown_scope(tmp_path):

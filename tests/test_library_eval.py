@@ -547,3 +547,14 @@ def test_bench_library_readies_the_set_from_the_cache_and_decodes_full_and_geome
     assert entry["bytes_reduction"] > 1  # geometric read fewer bytes than the dense baseline
     assert re.search(r"^\| 2 x 2k \| [\d,]+ \| consecutive \|", result.stdout, re.M)
     assert run("bench", "--library", "2", "--lengths", "2k,4k", "--model", str(tiny_model)).exit_code == 2
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_paraphrased_questions_keep_the_documents_and_the_key_word(seed):
+    plain = build_set_case(3, 500, seed=seed, count_tokens=quarter)
+    other = build_set_case(3, 500, seed=seed, count_tokens=quarter, paraphrase=True)
+    assert other.documents == plain.documents  # their cached states serve both
+    assert [p.answers for p in other.probes] == [p.answers for p in plain.probes]
+    assert len({p.question for p in other.probes} & {p.question for p in plain.probes}) == 0
+    for a, b in zip(plain.probes, other.probes):
+        assert key_of(a.question, seed) in b.question

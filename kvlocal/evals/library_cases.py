@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvlocal.evals.haystack import build_haystack
-from kvlocal.evals.tasks import ONEKEY_SHAPES, Probe, _codes
+from kvlocal.evals.tasks import ONEKEY_PARAPHRASES, ONEKEY_SHAPES, Probe, _codes
 from kvlocal.ingest import Document
 
 TASK = "library"
@@ -55,17 +55,20 @@ def build_set_case(
     facts_per_doc: int = 2,
     filler: str | None = None,
     first: int = 0,
+    paraphrase: bool = False,
 ) -> SetCase:
     """`n_documents` haystacks of about `doc_tokens` tokens each, with `facts_per_doc` facts each at
     depths between 10 % and 90 % of the document (never in the set's sinks or window): the seed's
     documents `first` to `first + n_documents - 1` (disjoint sets of one seed share no document).
-    `filler` (a document's text) replaces the generated prose; each document starts it at another place."""
+    `filler` (a document's text) replaces the generated prose; each document starts it at another place.
+    `paraphrase` asks each fact in other words (ONEKEY_PARAPHRASES, in turn): the documents stay the same."""
     if not 1 <= facts_per_doc <= MAX_FACTS_PER_DOC:
         raise ValueError(f"facts per document must be 1 to {MAX_FACTS_PER_DOC} (got {facts_per_doc})")
     if n_documents < 1 or first < 0 or first + n_documents > max_documents(facts_per_doc):
         raise ValueError(f"at most {max_documents(facts_per_doc)} documents with {facts_per_doc} facts each "
                          f"(got documents {first + 1} to {first + n_documents})")
     fact, question, all_keys = ONEKEY_SHAPES[seed % len(ONEKEY_SHAPES)]
+    paraphrases = ONEKEY_PARAPHRASES[seed % len(ONEKEY_SHAPES)]
     pool = random.Random(f"kvlocal-library-{seed}")
     keys = pool.sample(all_keys, POOL)
     codes, numbers = _codes(pool, POOL)
@@ -82,7 +85,8 @@ def build_set_case(
         documents.append(Document(text=text, source=document_label(seed, i), kind="text"))
         counts.append(got)
         for d, j in zip(depths, mine):
-            probes.append(Probe(TASK, question.format(key=keys[j]) + " Answer with the code only.", (codes[j],), d))
+            asked = paraphrases[j % len(paraphrases)] if paraphrase else question
+            probes.append(Probe(TASK, asked.format(key=keys[j]) + " Answer with the code only.", (codes[j],), d))
             probe_document.append(i - first)
     return SetCase(seed, tuple(documents), tuple(probes), tuple(probe_document), tuple(counts))
 

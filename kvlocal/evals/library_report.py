@@ -11,9 +11,10 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean, median
 
-from kvlocal.evals.library_runner import ALONE, CONCAT, SET, load_rows
+from kvlocal.evals.library_runner import ALONE, CONCAT, SET, hint_rule, load_rows
 from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction
 from kvlocal.evals.runner import question_pass
+from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.route_settings import DEFAULT_QUESTION
 
 REFERENCE_RANK = {SET: 0, ALONE: 1, CONCAT: 2}
@@ -25,15 +26,16 @@ def summarize(rows: list[dict]) -> dict:
     for r in answers:
         groups[(r["n_documents"], r["length"], r["reference"], r["mode"], r["top_k"] if r["mode"] != "full" else 0,
                 r.get("haystack", ""), r.get("hints", 0), _question(r) if r["mode"] != "full" else "",
-                r.get("layout", ""))].append(r)
+                r.get("layout", ""), r.get("questions", "template"), hint_rule(r))].append(r)
     cells = []
-    for (n_docs, length, reference, mode, top_k, haystack, hints, question, _), group in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][5], REFERENCE_RANK.get(kv[0][2], 9), kv[0][8],
-                                            _mode_rank(kv[0][3]), kv[0][4], kv[0][6], kv[0][7])):
+    for (n_docs, length, reference, mode, top_k, haystack, hints, question, _, questions, rule), group in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][5], kv[0][9], REFERENCE_RANK.get(kv[0][2], 9),
+                                            kv[0][8], _mode_rank(kv[0][3]), kv[0][4], kv[0][6], kv[0][10], kv[0][7])):
         shares = [r["fact_document_share"] for r in group if r.get("fact_document_share") is not None]
         cells.append({
             "n_documents": n_docs, "length": length, "haystack": haystack, "reference": reference, "mode": mode,
             "top_k": top_k or None, "hints": hints, "question": question, "seeds": sorted({r["seed"] for r in group}),
+            "questions": questions, "hint_rule": rule,
             **_accuracy(group),
             "answer_reduction": mean(answer_reduction(r) for r in group),
             "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in group if r["bytes_read"]),
@@ -82,9 +84,11 @@ def markdown(summary: dict) -> str:
              "|---|---|---|---:|---:|---|---:|---:|---:|"]
     for c in summary["cells"]:
         what = f"{c['n_documents']} x {c['length'] // 1024}k" + (f" ({Path(c['haystack']).name})" if c["haystack"] else "")
+        if c.get("questions", "template") != "template":
+            what += f", {c['questions']} questions"
         mode = c["mode"] if c["mode"] == "full" else f"{c['mode']} top-{c['top_k']}"
         if c.get("hints"):
-            mode += f" hints {c['hints']}"
+            mode += f" hints {c['hints']}" + (f" ({c['hint_rule']} rule)" if c.get("hint_rule") != HINT_RULE else "")
         if c.get("question") and c["question"] != "dense":
             mode += f", question {c['question']}"
         share = "" if c["fact_document_share"] is None or c["reference"] != SET else f"{c['fact_document_share']:.0%}"

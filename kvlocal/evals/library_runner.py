@@ -22,6 +22,7 @@ from kvlocal.ingest import Document
 from kvlocal.evals.library_cases import TASK, SetCase, build_set_case
 from kvlocal.evals.runner import append_row, haystack_tokens, task_answer_tokens
 from kvlocal.evals.tasks import score
+from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.library import Library
 from kvlocal.routing import RouteConfig
 
@@ -42,6 +43,7 @@ class LibraryConfig:
     layout: str | None = None  # None: consecutive while the set fits the trained context
     max_tokens: int | None = None
     sets_per_seed: int = 1  # disjoint sets of n_documents drawn from each seed's documents
+    paraphrase: bool = False  # ask each fact in other words (the documents stay the same)
 
     def route_of(self, mode: str) -> RouteConfig:
         route = replace(self.route, mode=mode)
@@ -57,7 +59,8 @@ def make_set_case(session: Library, config: LibraryConfig, length: int, seed: in
     count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
     try:
         return build_set_case(config.n_documents, haystack_tokens(length), seed=seed, count_tokens=count,
-                              facts_per_doc=config.facts_per_doc, filler=filler, first=first)
+                              facts_per_doc=config.facts_per_doc, filler=filler, first=first,
+                              paraphrase=config.paraphrase)
     except ValueError as err:
         raise UsageError(f"cannot build a set of {config.n_documents} documents of {length} tokens: {err}") from None
 
@@ -81,7 +84,13 @@ def answer_key(row: dict) -> tuple:
             row["top_k"], row["region"], row["window"], row["sinks"], row["pin"], row["keep"], row["shortlist"],
             row["question"], row["question_top_k"], row["haystack"], row["centroid_block"], row["max_tokens"],
             row["facts_per_doc"], row.get("first_document", 0), row.get("hints", 0),
-            row.get("layout_asked", "auto"))  # rows before --layout was recorded ran the automatic layout
+            row.get("layout_asked", "auto"),  # rows before --layout was recorded ran the automatic layout
+            row.get("questions", "template"), hint_rule(row))
+
+
+def hint_rule(row: dict) -> str:
+    """The text-hint rule a row ran ("" without hints; rows before the rule was recorded: "region")."""
+    return row.get("hint_rule", "region") if row.get("hints") else ""
 
 
 def run_library(
@@ -103,7 +112,8 @@ def run_library(
         base = {"n_documents": config.n_documents, "length": length, "seed": seed, "haystack": haystack_name,
                 "centroid_block": session.centroid_block, "max_tokens": config.answer_tokens,
                 "facts_per_doc": config.facts_per_doc, "first_document": first, "task": TASK,
-                "layout_asked": config.layout or "auto"}
+                "layout_asked": config.layout or "auto",
+                "questions": "paraphrased" if config.paraphrase else "template"}
 
         def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, RouteConfig]]:
             return [(i, route) for i in probes for route in (config.route_of(m) for m in modes)
@@ -190,7 +200,7 @@ def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config
     own = case.documents[fact_document].source
     fact_share = (tally.documents[labels.index(own)] / in_docs) if in_docs and own in labels else None
     row = {
-        "kind": "answer", **base, **_route_fields(route),
+        "kind": "answer", **base, **_route_fields(route), "hint_rule": HINT_RULE if route.hinted else "",
         "probe": index, "document": fact_document, "depth": probe.depth,
         "score": score(probe, summary.text), "answer": summary.text.strip(), "expected": list(probe.answers),
         "decode_tps": summary.decode_rate, "steps": summary.steps,

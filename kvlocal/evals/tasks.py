@@ -226,6 +226,23 @@ ONEKEY_SHAPES = (
      "Which mooring permit does the row for the year {key} in the harbour register list?", _YEARS),
 )
 
+# the same questions in other words (each shape's in the order of ONEKEY_SHAPES): the key word verbatim,
+# the rest reworded, possessives included (`kvlocal eval --library --paraphrase`)
+ONEKEY_PARAPHRASES = (
+    ("I forgot the code of the night locker at our {key} depot. What is it?",
+     "At the {key} depot, which code opens the locker used by the night shift?",
+     "What is the {key} depot's night-shift locker code?"),
+    ("In Ms {key}'s maintenance contract, which penalty reference does clause 14 set?",
+     "Clause 14 of the contract with Ms {key}: what is its penalty reference?",
+     "What penalty reference applies under clause 14 of Ms {key}'s maintenance agreement?"),
+    ("What ticket was logged when the nightly backup on {key} finished?",
+     "The nightly backup on host {key}: which ticket did it log?",
+     "Which ticket came from {key}'s nightly backup job?"),
+    ("In the harbour register, which mooring permit is listed for {key}?",
+     "Which mooring permit does the harbour register list in the row for {key}?",
+     "For the year {key}, what mooring permit is in the harbour register?"),
+)
+
 
 def _onekey(rng, depths, shape):
     """One fact per depth, all the same sentence with only its key word changed, with codes that

@@ -71,21 +71,23 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
     lies in their document, whose hinted regions hold the code, whose first region alone does."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
-        groups[(row["n_documents"], row["length"], row["haystack"], row["scope"], row["seed"])].append(row)
+        what = (row["n_documents"], row["length"], row["haystack"], row.get("questions", "template"), row["scope"])
+        groups[(*what, row["seed"])].append(row)
         if len({r["seed"] for r in rows}) > 1:
-            groups[(row["n_documents"], row["length"], row["haystack"], row["scope"], "all")].append(row)
+            groups[(*what, "all")].append(row)
     out = []
-    for (n_documents, length, haystack, scope, seed), group in groups.items():
+    for (n_documents, length, haystack, questions, scope, seed), group in groups.items():
         n = len(group)
-        entry = {"n_documents": n_documents, "length": length, "haystack": haystack, "scope": scope, "seed": seed,
-                 "n": n,
+        entry = {"n_documents": n_documents, "length": length, "haystack": haystack, "questions": questions,
+                 "scope": scope, "seed": seed, "n": n,
                  "hint_regions": sum(r["hint_regions"] for r in group) / n}
         for key in ("in_document", "code_read", "code_in_first_region"):
             share = sum(bool(r[key]) for r in group) / n
             entry[key] = share
             entry[f"{key}_ci"] = wilson_interval(share, n)
         out.append(entry)
-    return sorted(out, key=lambda e: (e["n_documents"], e["length"], e["haystack"], e["scope"] != "sentence",
+    return sorted(out, key=lambda e: (e["n_documents"], e["length"], e["haystack"], e["questions"],
+                                      e["scope"] != "sentence",
                                       e["seed"] == "all", str(e["seed"])))
 
 
@@ -94,11 +96,11 @@ def markdown(summary: Sequence[dict]) -> str:
         lo, hi = entry[f"{key}_ci"]
         return f"{entry[key]:.0%} [{lo:.0%}–{hi:.0%}]"
 
-    lines = ["| set | haystack | hint scope | seed | n | hint in the fact's document | hinted regions hold the code "
+    lines = ["| set | haystack | questions | hint scope | seed | n | hint in the fact's document | hinted regions hold the code "
              "| the first region alone holds it | regions hinted (mean) |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
     for e in summary:
-        lines.append(f"| {e['n_documents']} x {e['length'] // 1024}k | {Path(e['haystack']).name if e['haystack'] else 'generated'} | {e['scope']} | {e['seed']} | {e['n']} "
+        lines.append(f"| {e['n_documents']} x {e['length'] // 1024}k | {Path(e['haystack']).name if e['haystack'] else 'generated'} | {e['questions']} | {e['scope']} | {e['seed']} | {e['n']} "
                      f"| {cell(e, 'in_document')} | {cell(e, 'code_read')} | {cell(e, 'code_in_first_region')} "
                      f"| {e['hint_regions']:.2f} |")
     return "\n".join(lines)
