@@ -20,7 +20,7 @@ from pathlib import Path
 from kvlocal.errors import ContextOverflowError, UsageError
 from kvlocal.ingest import Document
 from kvlocal.evals.library_cases import TASK, SetCase, build_set_case
-from kvlocal.evals.runner import append_row, haystack_tokens, task_answer_tokens
+from kvlocal.evals.runner import append_row, haystack_tokens, hint_rule, task_answer_tokens
 from kvlocal.evals.tasks import score
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.library import Library
@@ -86,11 +86,6 @@ def answer_key(row: dict) -> tuple:
             row["facts_per_doc"], row.get("first_document", 0), row.get("hints", 0),
             row.get("layout_asked", "auto"),  # rows before --layout was recorded ran the automatic layout
             row.get("questions", "template"), hint_rule(row))
-
-
-def hint_rule(row: dict) -> str:
-    """The text-hint rule a row ran ("" without hints; rows before the rule was recorded: "region")."""
-    return row.get("hint_rule", "region") if row.get("hints") else ""
 
 
 def run_library(

@@ -9,7 +9,7 @@ from pathlib import Path
 from statistics import mean
 
 from kvlocal.atomic import write_text_atomic
-from kvlocal.evals.runner import block, question_pass
+from kvlocal.evals.runner import block, hint_rule, question_pass
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_PIN, DEFAULT_QUESTION,
     DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST, MODES, SHORTLIST_AUTO,
@@ -340,7 +340,7 @@ def route_label(row: dict) -> str:
         if row.get("pin"):
             label += f" pin {row['pin']}"
         if row.get("hints"):
-            label += f" hints {row['hints']}"
+            label += f" hints {row['hints']}" + (" (region rule)" if hint_rule(row) == "region" else "")
         if row.get("centroid_type", "f16") != "f16":
             label += f" {row['centroid_type']}"
     if mode != "full" and row.get("estimate"):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvlocal.errors import UsageError
 from kvlocal.evals.tasks import Case, build_case, score
+from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.route_settings import MODES
 from kvlocal.routing import PrefillConfig, RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
@@ -115,7 +116,13 @@ def row_key(row: dict) -> tuple:
             row.get("centroid_type", "f16"),  # ... and kept the centroids in F16
             row.get("pin", 0),  # ... and pinned nothing by the question
             row.get("estimate", False),  # a row that ran the retired estimate of unread regions: another cell
-            row.get("hints", 0))  # rows before text hints read none  # a row that ran the retired estimate of unread regions: another cell
+            row.get("hints", 0),  # rows before text hints read none
+            hint_rule(row))
+
+
+def hint_rule(row: dict) -> str:
+    """The text-hint rule a row ran ("" without hints; rows before the rule was recorded: "region")."""
+    return row.get("hint_rule", "region") if row.get("hints") else ""
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -192,7 +199,7 @@ def _key(length, task, seed, probe_index, route, haystack_name, session, max_tok
                     "centroid_type": session.centroid_type, "max_tokens": max_tokens,
                     "shortlist": route.shortlist, "keep": route.keep,
                     "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag,
-                    "pin": route.pin, "hints": route.hints})
+                    "pin": route.pin, "hints": route.hints, "hint_rule": HINT_RULE})
 
 
 def _load(session: Session, case: Case, length: int, seed: int, prefill: PrefillConfig, prefill_tag: str, log) -> dict:
@@ -219,6 +226,9 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "depth": probe.depth,
         "haystack": haystack_name,
         **{k: v for k, v in asdict(route).items() if k != "seed"},
+        "hint_rule": HINT_RULE if route.hints else "",
+        "hint_cells": list(summary.hint_cells),
+        "top_k_read": summary.route.top_k,  # top_k, raised to the hinted regions where they are more
         "centroid_block": session.centroid_block,
         "centroid_type": session.centroid_type,
         "shortlist_used": summary.route.shortlist,  # an automatic shortlist as resolved for this document
