@@ -200,7 +200,6 @@ class Library(Session):
         planned = self.set_cells(documents, pages=True)
         head, middle, bodies, n_body, page_tokens = (planned.head, planned.middle, planned.bodies, planned.n_body,
                                                      planned.page_tokens)
-        del planned
         longest = max(len(b) for b in bodies)
         if len(head) + longest + ANSWER_RESERVE > self.trained_ctx:
             i = max(range(len(bodies)), key=lambda j: len(bodies[j]))
