@@ -16,6 +16,8 @@ from kvlocal.cli_options import (
     LIBRARY,
     PREFILL,
     CtxOpt,
+    HaystackOpt,
+    HintsOpt,
     KvTypeOpt,
     LengthsOpt,
     LibraryOpt,
@@ -24,6 +26,7 @@ from kvlocal.cli_options import (
     ModelOpt,
     NoCacheOpt,
     OutOpt,
+    ParaphraseOpt,
     PrefillOpt,
     PrefillOptions,
     RegionOpt,
@@ -469,7 +472,7 @@ def eval_(
     modes: Annotated[str, typer.Option("--modes", help="Routing modes to compare.")] = "full,geometric,window,random",
     sweep: Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")] = "",
     seeds: Annotated[str, typer.Option("--seeds", help="Haystack seeds.")] = "0",
-    haystack: Annotated[Optional[Path], typer.Option("--haystack", help="Plant the needles into this document instead of generated prose.")] = None,
+    haystack: HaystackOpt = None,
     out: OutOpt = Path("kvlocal-eval"),
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots (needs matplotlib).")] = True,
     model: ModelOpt = None,
@@ -483,7 +486,7 @@ def eval_(
     facts_per_doc: Annotated[int, typer.Option("--facts-per-doc", rich_help_panel=LIBRARY, min=1, max=8, help="Facts planted in each document of a --library set.")] = 2,
     references: Annotated[str, typer.Option("--references", rich_help_panel=LIBRARY, help="What else the --library facts are asked of: alone (each fact of its own document, from its cached state), concat (the set prefilled as one document, where it fits the trained context; 32k: ~30 min on 2 cores), none.")] = "alone",
     layout: Annotated[str, typer.Option("--layout", rich_help_panel=LIBRARY, help="A --library set's positions: auto (consecutive while the set fits the trained context, else parallel), consecutive or parallel.")] = "auto",
-    paraphrase: Annotated[bool, typer.Option("--paraphrase", rich_help_panel=LIBRARY, help="Ask each --library fact in other words (the key word kept, the rest reworded); the documents, and their cached states, stay the same.")] = False,
+    paraphrase: ParaphraseOpt = False,
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
 
@@ -713,10 +716,10 @@ def lab(
     region: RegionOpt = REGION,
     window: WindowOpt = WINDOW,
     sinks: SinksOpt = SINKS,
-    library: Annotated[str, typer.Option("--library", rich_help_panel=LIBRARY, metavar="N[,N...]", help="Check the text hints instead, from tokens alone (nothing prefilled): on the `kvlocal eval --library` sets of N documents, whether each fact's hinted regions lie in its document and hold its code whole.")] = "",
-    hints: Annotated[int, typer.Option("--hints", rich_help_panel=LIBRARY, min=1, max=MAX_TOP_K, help="With --library: the places hinted per question (as `kvlocal ask --hints`).")] = 1,
-    haystack: Annotated[Optional[Path], typer.Option("--haystack", rich_help_panel=LIBRARY, help="With --library: this document's text as every document's filler (started at another place in each), instead of generated prose.")] = None,
-    paraphrase: Annotated[bool, typer.Option("--paraphrase", rich_help_panel=LIBRARY, help="With --library: ask each fact in other words (as `kvlocal eval --library --paraphrase`).")] = False,
+    library: LibraryOpt = "",
+    hints: HintsOpt = 1,
+    haystack: HaystackOpt = None,
+    paraphrase: ParaphraseOpt = False,
     hint_scope: Annotated[str, typer.Option("--hint-scope", rich_help_panel=LIBRARY, help="With --library: what scores a hinted place: sentence (the question words within reach of it, what `kvlocal ask` uses), region (the words of its whole region, the earlier rule), or both.")] = "sentence",
 ) -> None:
     """Routing lab: capture the dense model's real queries and keys once per haystack, then replay selection rules offline.

@@ -77,7 +77,14 @@ LibraryOpt = Annotated[str, typer.Option(
     "--library", rich_help_panel=LIBRARY, metavar="N[,N...]",
     help="Library sets of N documents each (e.g. 4 or 4,16; each document of --lengths tokens, default 8k): "
          "look-alike facts spread over the documents of a set, loaded as one cache (`kvlocal eval --library`, "
-         "`kvlocal bench --library`).")]
+         "`kvlocal bench --library`; `kvlocal lab --library` checks the text hints on them from their tokens alone).")]
+HaystackOpt = Annotated[Optional[Path], typer.Option(
+    "--haystack", help="Plant the facts into this document's text instead of generated prose (each document of a "
+    "--library set starts it at another place).")]
+ParaphraseOpt = Annotated[bool, typer.Option(
+    "--paraphrase", rich_help_panel=LIBRARY,
+    help="Ask each --library fact in other words (the key word kept, the rest reworded); the documents, and "
+         "their cached states, stay the same.")]
 OutOpt = Annotated[Optional[Path], typer.Option(
     "--out", help="Where the results go (eval: a folder; bench: a JSON file).")]
 
@@ -127,8 +134,10 @@ PinOpt = Annotated[int, typer.Option(
     help="Regions of --top-k the dense question pass keeps read for the whole answer.")]
 HintsOpt = Annotated[int, typer.Option(
     "--hints", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
-    help="Regions of --top-k read because their text holds the question's rarest words (geometric "
-    "routing; 0: none). Helps facts that differ from their look-alikes in one word.")]
+    help="Places of the question's rarest words whose regions are read in place of --top-k choices (geometric "
+    "routing; 0: none): the word's region, and the next where its sentence runs on (top-k is raised to fit). "
+    "Helps facts that differ from their look-alikes in one word; with --top-k 1 --question-pass steps a step "
+    "reads the hinted sentence and nothing else beside the sinks and window.")]
 CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", min=0, max=max(CENTROID_BLOCKS), rich_help_panel=ROUTING,
     help="Tokens per key centroid (0: none, every step reads densely).")]
