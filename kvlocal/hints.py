@@ -6,13 +6,12 @@ alike, so the route cannot tell the asked fact from its look-alikes, and neither
 dense attention (BENCHMARKS.md section 7). The question usually names the word that tells them
 apart, and the session knows each cell's text. `hint_cells` scores each place of one of the
 question's rare words by the question words within a sentence's reach of it (each weighted by how
-few regions hold it) and names, for the best `n` places, the cell of that rare word and the cell its sentence ends at
-(`FOLLOW` tokens to a region's length on: a fact's value follows its key, and may cross into the
-next region). The
-engine reads the regions of those cells with every head in place of as many top-k choices
-(llama_kv_route_set_hints, patch 0012); the session raises top-k to the number of hinted regions
-where it is smaller (RouteConfig.reading_hints), so a value cut by a region boundary is read whole,
-and counts what that costs like any other read.
+few regions hold it) and names, for the best `n` places, the cell of that rare word and the cell its
+sentence ends at (`FOLLOW` tokens to a region's length on: a fact's value follows its key, and may
+cross into the next region). The engine reads the regions of those cells with every head in place
+of as many top-k choices (llama_kv_route_set_hints, patch 0012); the session raises top-k to the
+number of hinted regions where it is smaller (RouteConfig.reading_hints), so a value cut by a region
+boundary is read whole, and counts what that costs like any other read.
 
 This is a lexical index beside the geometric one, not a replacement: a question that shares no rare
 word with the document gets no hint and is routed as before.
@@ -54,16 +53,9 @@ class TextIndex:
     def of(cls, pieces: Iterable[bytes]) -> TextIndex:
         """Index the prefix from each cell's token bytes (a character split over tokens counts to
         the cell that completes it)."""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        chunks: list[str] = []
-        char_cells: list[int] = []
-        n_cells = 0
-        for cell, piece in enumerate(pieces):
-            text = decoder.decode(piece)
-            chunks.append(text)
-            char_cells.extend([cell] * len(text))
-            n_cells = cell + 1
-        text = "".join(chunks)
+        pieces = list(pieces)
+        n_cells = len(pieces)
+        text, char_cells = cell_text(pieces)
         words: dict[str, list[int]] = defaultdict(list)
         for match in WORD.finditer(text):
             cells = words[normal_word(match.group())]
@@ -79,6 +71,19 @@ class TextIndex:
         i = bisect.bisect_right(self.ends, cell)
         end = self.ends[i] if i < len(self.ends) else cell + most
         return cell + max(follow, min(most, end - cell))
+
+
+def cell_text(pieces: Iterable[bytes], first: int = 0) -> tuple[str, list[int]]:
+    """The text of cells' token bytes, and for each of its characters the cell it comes from
+    (`first` for the first piece; a character split over tokens counts to the cell that completes it)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    chunks: list[str] = []
+    char_cells: list[int] = []
+    for cell, piece in enumerate(pieces, first):
+        text = decoder.decode(piece)
+        chunks.append(text)
+        char_cells.extend([cell] * len(text))
+    return "".join(chunks), char_cells
 
 
 def normal_word(word: str) -> str:
@@ -99,8 +104,8 @@ def hint_cells(index: TextIndex, question: str, n: int, region: int, follow: int
                skip_regions: int = 0, scope: str = "sentence") -> list[int]:
     """Cells to hint for a question: for each of the `n` best places of a rare question word (in
     distinct regions), the cell of that word and the cell its sentence ends at, at least `follow` and
-    at most a region's length later (TextIndex.follow_of); [] when no word is rare. A place is scored by the question words found within `follow` tokens of it, each weighted
-    by how few regions hold it: the sentence around the word, wherever a region boundary cuts it (a
+    at most a region's length later (TextIndex.follow_of); [] when no word is rare. A place is scored
+    by the question words found within `follow` tokens of it, each weighted by how few regions hold it: the sentence around the word, wherever a region boundary cuts it (a
     score by whole regions let a look-alike that fills one region beat the asked fact cut in two).
     The first `skip_regions` regions (the sinks, always read, where the prompt's instructions sit)
     are not hinted. `scope` "region" scores a place by the words of its whole region instead (the

@@ -11,9 +11,9 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean, median
 
-from kvlocal.evals.library_runner import ALONE, CONCAT, SET, hint_rule, load_rows
+from kvlocal.evals.library_runner import ALONE, CONCAT, SET, load_rows
 from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction
-from kvlocal.evals.runner import question_pass
+from kvlocal.evals.runner import hint_rule, question_pass
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.route_settings import DEFAULT_QUESTION
 

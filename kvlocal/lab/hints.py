@@ -10,26 +10,19 @@ sets, fact shapes and fillers in seconds. Whether the model then copies the code
 
 from __future__ import annotations
 
-import codecs
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvlocal.evals.library_cases import SetCase
 from kvlocal.evals.report import wilson_interval
-from kvlocal.hints import FOLLOW, TextIndex, hint_cells
+from kvlocal.hints import FOLLOW, TextIndex, cell_text, hint_cells
 
 
 def text_cells(pieces: Sequence[bytes], start: int, end: int, text: str) -> tuple[int, int] | None:
     """The first and last cell in [start, end) of the first place `text` is spelled, or None."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    chars: list[str] = []
-    char_cells: list[int] = []
-    for cell in range(start, end):
-        piece = decoder.decode(pieces[cell])
-        chars.append(piece)
-        char_cells.extend([cell] * len(piece))
-    at = "".join(chars).find(text)
+    spelled, char_cells = cell_text(pieces[start:end], start)
+    at = spelled.find(text)
     if at < 0:
         return None
     return char_cells[at], char_cells[at + len(text) - 1]
@@ -70,10 +63,11 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
     """Per set size, document length, haystack and seed (and over all seeds): n, and the share of facts whose hint
     lies in their document, whose hinted regions hold the code, whose first region alone does."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
+    several_seeds = len({r["seed"] for r in rows}) > 1
     for row in rows:
         what = (row["n_documents"], row["length"], row["haystack"], row.get("questions", "template"), row["scope"])
         groups[(*what, row["seed"])].append(row)
-        if len({r["seed"] for r in rows}) > 1:
+        if several_seeds:
             groups[(*what, "all")].append(row)
     out = []
     for (n_documents, length, haystack, questions, scope, seed), group in groups.items():
