@@ -139,6 +139,8 @@ def run_library(
             work = todo(CONCAT, REFERENCE_MODES[CONCAT], all_probes)
             if work:
                 text = "\n\n".join(doc.text.strip() for doc in case.documents)
+                log(f"concatenation of seed {seed}: loading its {len(case.documents)} documents as one "
+                    "(a dense prefill of the whole unless it is cached)")
                 start = time.perf_counter()
                 try:  # as one document: the single-document path (the read tally sees one document)
                     result = session.load_set([Document(text, f"library-s{seed}-concatenation", "text")]).single
