@@ -215,6 +215,13 @@ def test_routes_count_a_rerun_probe_once_and_tell_prefills_apart():
     # a probe in the window counts towards the reductions, not the accuracy
     [near] = report.routes([_probe("geometric", 1.0, "amber-1111", depth=1.0)])
     assert near["n_outside"] == 0 and near["accuracy_outside_window"] is None and near["answer_reduction"] == 6.0
+    # another window or sinks is another route, not a rerun of the default one
+    narrow = dict(_probe("geometric", 0.0, "amber-2222"), window=32)
+    few = dict(_probe("geometric", 0.0, "amber-2222"), sinks=16)
+    apart = {e["route"]: e for e in report.routes([rerun, narrow, few])}
+    assert sorted(apart) == ["geometric top-4, b8 s16 keep 0.9", "geometric top-4, b8 s16 keep 0.9 sinks 16",
+                             "geometric top-4, b8 s16 keep 0.9 window 32"]
+    assert apart["geometric top-4, b8 s16 keep 0.9"]["accuracy_outside_window"] == 1.0
     # a question decoded token by token through the route: every step is an answer-like step
     [steps] = report.routes([_probe("geometric", 1.0, "amber-1111", question="steps", bytes_read=250)])
     assert steps["answer_reduction"] == steps["total_reduction"] == 4.0 and steps["step_mib"] is None

@@ -12,7 +12,7 @@ from kvlocal.atomic import write_text_atomic
 from kvlocal.evals.runner import block, hint_rule, question_pass
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_PIN, DEFAULT_QUESTION,
-    DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST, MODES, SHORTLIST_AUTO,
+    DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST, DEFAULT_SINKS, DEFAULT_WINDOW, MODES, SHORTLIST_AUTO,
 )
 
 Z95 = 1.959964  # the standard normal quantile of a two-sided 95 % interval
@@ -327,7 +327,7 @@ def route_label(row: dict) -> str:
     """The route a row ran, in words, from the row's own fields: 'full', 'window top-4', or for
     geometric every scoring setting (an automatic shortlist by the value it took, so a run given the
     same number explicitly joins it), e.g. 'geometric top-4, b8 s64 keep 0.9 pin 2'; then what else
-    differs from the default: the question pass when it is not dense, Q8_0 centroids, the retired
+    differs from the default: the sinks and window always read, the question pass when it is not dense, Q8_0 centroids, the retired
     estimate, a routed prefill (e.g. 'prefill top-64', 'prefill top-16/u128')."""
     mode = row["mode"]
     label = mode if mode == "full" else f"{mode} top-{row['top_k']}"
@@ -345,6 +345,11 @@ def route_label(row: dict) -> str:
             label += f" {row['centroid_type']}"
     if mode != "full" and row.get("estimate"):
         label += " estimate"
+    if mode != "full":  # the always-read parts, where they are not the defaults (a route of its own)
+        if row.get("sinks", DEFAULT_SINKS) != DEFAULT_SINKS:
+            label += f" sinks {row['sinks']}"
+        if row.get("window", DEFAULT_WINDOW) != DEFAULT_WINDOW:
+            label += f" window {row['window']}"
     if question_pass(row) != "dense":
         label += f", question {question_pass(row)}"
     prefill = row.get("prefill") or "dense"
