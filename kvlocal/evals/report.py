@@ -327,8 +327,9 @@ def route_label(row: dict) -> str:
     """The route a row ran, in words, from the row's own fields: 'full', 'window top-4', or for
     geometric every scoring setting (an automatic shortlist by the value it took, so a run given the
     same number explicitly joins it), e.g. 'geometric top-4, b8 s64 keep 0.9 pin 2'; then what else
-    differs from the default: the sinks and window always read, the question pass when it is not dense, Q8_0 centroids, the retired
-    estimate, a routed prefill (e.g. 'prefill top-64', 'prefill top-16/u128')."""
+    differs from the default: the sinks and window always read, the question pass when it is not
+    dense, Q8_0 centroids, the retired estimate, a routed prefill (e.g. 'prefill top-64',
+    'prefill top-16/u128')."""
     mode = row["mode"]
     label = mode if mode == "full" else f"{mode} top-{row['top_k']}"
     if mode == "geometric":
