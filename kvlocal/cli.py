@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import sys
 import time
 from dataclasses import replace
@@ -646,16 +647,22 @@ def _lab_hints(sizes: str, lengths: str, seeds: str, hints: int, haystack: Path 
 
 
 def _lab_captures(out: Path, lengths: list[int], tasks: list[str], seeds: list[int], depth_list: list[float],
-                  model, threads, *, name_of, load, capture):
+                  model, threads, *, name_of, load, capture, haystack: Path | None = None):
     """(name, capture) of every haystack: loaded from OUT when it is there, else captured on the engine
-    (one session for all, opened at the first capture) and saved beside the others."""
+    (one session for all, opened at the first capture) and saved beside the others. With `haystack`
+    the facts are planted in that document's text (as `kvlocal eval --haystack` plants them) and the
+    capture's name carries its file name."""
     from kvlocal.evals.runner import make_case
+    from kvlocal.ingest import load_document
+
+    filler = load_document(haystack).text if haystack else None
+    tag = f"-{_file_tag(haystack)}" if haystack else ""
 
     session = None
     for length in lengths:
         for task in tasks:
             for seed in seeds:
-                name = name_of(task, length, seed)
+                name = name_of(task, length, seed) + tag
                 path = out / f"{name}.npz"
                 if path.exists():
                     cap = load(path)
@@ -664,15 +671,20 @@ def _lab_captures(out: Path, lengths: list[int], tasks: list[str], seeds: list[i
                     if session is None:
                         session = _open_session(model, None, threads, "f16")
                         _check_lengths_fit(session, lengths)
-                    case = make_case(session, task, length, depth_list, seed)
+                    case = make_case(session, task, length, depth_list, seed, filler)
                     cap = capture(session, case, task, name, lambda line: err(f"kvlocal: {line}"))
                     cap.save(path)
                 yield name, cap
 
 
+def _file_tag(path: Path) -> str:
+    """A file name reduced to what a capture's name may hold: `GPL-3` -> `gpl-3`, `My Notes.pdf` -> `my-notes`."""
+    return re.sub(r"[^a-z0-9]+", "-", path.stem.lower()).strip("-") or "haystack"
+
+
 def _lab_prefill(out: Path, lengths: list[int], tasks: list[str], seeds: list[int], depth_list: list[float],
                  names: list[str], chunks: list[int], ks: list[int], prefill_from: int, geo, model, threads,
-                 estimates: bool) -> None:
+                 estimates: bool, haystack: Path | None = None) -> None:
     """`kvlocal lab --prefill`: capture the fact ubatches' queries once per haystack, replay prefill rules."""
     import json
 
@@ -685,7 +697,8 @@ def _lab_prefill(out: Path, lengths: list[int], tasks: list[str], seeds: list[in
         name_of=lambda task, length, seed: f"prefill-{task}-{length}-s{seed}-d{len(depth_list)}-from{prefill_from}",
         load=lab_prefill.PrefillCapture.load,
         capture=lambda session, case, task, name, log: lab_prefill.capture_prefill(session, case, name, prefill_from,
-                                                                                   log=log))
+                                                                                   log=log),
+        haystack=haystack)
     for name, cap in captures:
         started = time.perf_counter()
         lab_prefill.replay_prefill(cap, names, chunks, ks, geo, totals,
@@ -724,7 +737,7 @@ def lab(
 ) -> None:
     """Routing lab: capture the dense model's real queries and keys once per haystack, then replay selection rules offline.
 
-    Per rule and budget: the attention-mass recall of the heads that reach beyond the sinks and window, whether the asked fact's region is read by the heads that attend to it, and the KV bytes the rule would read (metadata included). Captures stay in OUT: a second run replays without the engine.
+    Per rule and budget: the attention-mass recall of the heads that reach beyond the sinks and window, whether the asked fact's region is read by the heads that attend to it, and the KV bytes the rule would read (metadata included); per probe (probes.jsonl), the answer step that first lost the fact and the layers and heads that lost it. Captures stay in OUT: a second run replays without the engine. With --haystack the facts are planted in that document, as `kvlocal eval --haystack` plants them.
 
     With --prefill: the queries of the document's own ubatches that hold facts (a routed prefill's choice), and per rule, chunk and budget the attention-output error of those rows against dense prefill.
 
@@ -767,25 +780,28 @@ def lab(
             raise UsageError("--chunks: give positive token counts, e.g. 512,128")
         out.mkdir(parents=True, exist_ok=True)
         _lab_prefill(out, _lengths(lengths), task_list, _ints(seeds), depth_list, names, chunk_list, ks,
-                     prefill_from, geo, model, threads, estimates)
+                     prefill_from, geo, model, threads, estimates, haystack)
         return
     out.mkdir(parents=True, exist_ok=True)
     totals: dict = {}
+    probe_rows: list[dict] = []  # where each probe's answer steps lose the fact (probes.jsonl)
     captures = _lab_captures(
         out, _lengths(lengths), task_list, _ints(seeds), depth_list, model, threads,
         name_of=lambda task, length, seed: f"{task}-{length}-s{seed}-d{depths}", load=lab_mod.CaseCapture.load,
         capture=lambda session, case, task, name, log: lab_mod.capture_case(session, case, name, task_answer_tokens(task),
-                                                                           log=log))
+                                                                           log=log),
+        haystack=haystack)
     for name, cap in captures:
         started = time.perf_counter()
         try:
             scale = lab_mod.layer_scale(layer_budget, cap.doc_keys.shape[0]) if layer_budget else None
         except ValueError as e:
             raise UsageError(f"--layer-budget: {e}") from None
-        lab_mod.replay_case(cap, names, ks, geo, totals, scale=scale)
+        lab_mod.replay_case(cap, names, ks, geo, totals, scale=scale, probe_log=probe_rows)
         err(f"kvlocal: {name}: replayed {len(names)} rules x {len(ks)} budgets in {time.perf_counter() - started:.0f} s")
     rows = [dict(r, layer_budget=layer_budget) for r in lab_mod.summarize(totals)]
     write_text_atomic(out / "lab.json", json.dumps(rows, indent=1))
+    write_text_atomic(out / "probes.jsonl", "".join(json.dumps(r) + "\n" for r in probe_rows))
     print(lab_mod.markdown(rows))
     print()
     print(lab_mod.layer_markdown(rows, names))
@@ -793,6 +809,9 @@ def lab(
     if errors:
         print()
         print(errors)
+    if probe_rows:
+        print()
+        print(lab_mod.probe_markdown(probe_rows))
 
 
 @app.command()

@@ -229,3 +229,71 @@ def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     rows = json.loads((tmp_path / "lab.json").read_text())
     assert {r["rule"] for r in rows} == {"mean8", "oracle"}
+
+
+def test_cli_plants_in_the_haystack_and_names_the_capture_after_it(tmp_path, monkeypatch):
+    """With --haystack the lab looks for (and would capture) the haystack's own case, named after the
+    file; the generated-prose capture beside it is not taken for it. probes.jsonl gets one row per
+    probe, rule and budget."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvlocal import cli
+    from kvlocal.lab.decode import CaseCapture
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine was opened although the haystack's capture was saved")
+
+    monkeypatch.setattr(cli, "_open_session", refuse)
+    rng = np.random.default_rng(6)
+    n_doc, dim = 1024, 128
+    keys = rng.normal(size=(1, n_doc, dim)).astype(np.float16)
+    q = rng.normal(size=(4, 1, 2, dim)).astype(np.float32)
+    k = rng.normal(size=(4, 1, 1, dim)).astype(np.float32)
+    CaseCapture("x", keys, [q], [k], np.array([[300, 320]]), np.array([True]), np.array([0.3]),
+                np.array([2])).save(tmp_path / "onekey-8192-s0-d10-my-notes.npz")
+    haystack = tmp_path / "My Notes.txt"
+    haystack.write_text("Plain prose about nothing in particular. " * 50)
+    result = CliRunner().invoke(cli.app, ["lab", "--lengths", "8k", "--tasks", "onekey", "--seeds", "0",
+                                          "--rules", "oracle,two64/8x16+qm2", "--budgets", "2",
+                                          "--haystack", str(haystack), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    probes = [json.loads(line) for line in (tmp_path / "probes.jsonl").read_text().splitlines()]
+    assert sorted((p["rule"], p["top_k"], p["case"]) for p in probes) == [
+        ("oracle", 2, "onekey-8192-s0-d10-my-notes"), ("two64/8x16+qm2", 2, "onekey-8192-s0-d10-my-notes")]
+    steps = {p["rule"]: len(p["answer_hits"]) for p in probes}
+    # 4 steps, 2 of them the question's: the last question step and the next predict answer tokens (the
+    # last step predicts the end); a dense question pass computes the first of them
+    assert steps == {"oracle": 2, "two64/8x16+qm2": 1}
+    assert "| case | depth | dense |" in result.output
+
+
+def _result(fact_mass: np.ndarray, fact_hit: np.ndarray) -> lab_rules.HeadResult:
+    steps, group = fact_mass.shape
+    zeros = np.zeros((steps, group))
+    return lab_rules.HeadResult(tail=zeros, got=zeros, fact_mass=fact_mass, fact_hit=fact_hit,
+                                fact_rank=np.ones(steps, int), rows_read=np.zeros(steps), rows_scan=np.zeros(steps),
+                                rows_dense=np.ones(steps))
+
+
+def test_probe_row_names_the_first_step_and_the_heads_that_lost_the_fact():
+    """Two layers of one KV head with two query heads each, three answer steps: layer 1's second
+    query head attends to the fact at every step but its region is not read at steps 1 and 2."""
+    from kvlocal.lab.decode import probe_markdown, probe_row
+
+    mass = np.array([[0.5, 0.0], [0.5, 0.0], [0.5, 0.0]])
+    layer0 = _result(mass, np.ones((3, 2), bool))
+    layer1 = _result(np.array([[0.0, 0.9], [0.0, 0.9], [0.0, 0.9]]),
+                     np.array([[True, True], [True, False], [True, False]]))
+    row = probe_row([(0, 0, layer0), (1, 0, layer1)], group=2, answer_steps=np.arange(3))
+    assert row["answer_hits"] == [1.0, 0.5, 0.5]
+    assert row["first_drop"] == 1
+    assert row["missed_pairs"] == {"1.1": 2}
+    # a route with a dense question pass routes from the second answer token on: the same lost step
+    # is then the answer's token 1 still, counted from the steps it routes
+    later = probe_row([(0, 0, layer0), (1, 0, layer1)], group=2, answer_steps=np.arange(1, 3), first=1)
+    assert later["answer_hits"] == [0.5, 0.5] and later["first_drop"] == 1
+    table = probe_markdown([dict(row, case="c", probe=0, depth=0.5, dense_right=True, rule="r", top_k=4)],
+                           {("c", 0): "a / b"})
+    assert "| c | 0.50 | right | 0.67 (min 0.5), token 1: 1.1x2 | a / b |" in table

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvlocal.atomic import write_npz_atomic
 from kvlocal.evals.tasks import Case, Probe
-from kvlocal.lab.rules import RULES, Geometry, Head, HeadResult, replay
+from kvlocal.lab.rules import RULES, Geometry, Head, HeadResult, reads_question_densely, replay
 
 FAR_TAIL = 0.2  # a (step, layer, head) "reaches far" when this share of its attention is outside sinks and window
 TOP_PAIRS = 10  # the (layer, head) pairs per step that attend most to the asked fact
@@ -157,10 +157,12 @@ def layer_scale(spec: str, n_layer: int) -> np.ndarray:
 
 
 def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], geo: Geometry,
-                totals: dict | None = None, only_outside: bool = True, scale: np.ndarray | None = None) -> dict:
+                totals: dict | None = None, only_outside: bool = True, scale: np.ndarray | None = None,
+                probe_log: list | None = None) -> dict:
     """Replay `rules` at every budget on a capture; adds into `totals` {(rule, k): RuleTotals}. With
     `scale` (a factor per layer), layer l selects round(k * scale[l]) regions (at least 1) for the
-    nominal budget k: the bytes and the reduction count what each layer really reads."""
+    nominal budget k: the bytes and the reduction count what each layer really reads. With
+    `probe_log`, one row per (probe, rule, budget) is appended to it (see `probe_row`)."""
     totals = totals if totals is not None else {}
     n_layer = cap.doc_keys.shape[0]
     for i, (q_all, k_all) in enumerate(zip(cap.probes_q, cap.probes_k)):
@@ -190,7 +192,69 @@ def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], 
         for key, results in per.items():
             _accumulate(totals.setdefault(key, RuleTotals([], defaultdict(list), [], [], [])), results, group,
                         answer_steps)
+            if probe_log is not None and answer_steps is not None:
+                first = 1 if reads_question_densely(key[0]) else 0
+                probe_log.append(dict(probe_row(results, group, answer_steps[first:], first), case=cap.name, probe=i,
+                                      depth=float(cap.depths[i]), dense_right=bool(cap.correct[i]),
+                                      rule=key[0], top_k=key[1]))
     return totals
+
+
+def probe_row(results: list[tuple[int, int, HeadResult]], group: int, answer_steps: np.ndarray, first: int = 0) -> dict:
+    """Where one probe's answer loses its fact under one rule. At each routed answer step (a rule with
+    a dense question pass routes from the second answer token on: `first` = 1, the answer token
+    `answer_steps[0]` predicts), the (layer, query head) pairs that attend most to the asked fact (the
+    TOP_PAIRS of them with over 1 % of their mass on it), and whether the rule read the region holding
+    each one's peak on the fact. Reported: the share read per step, the first answer token whose step
+    left a top pair unread, how often each pair (layer.query-head) was left unread, and the median
+    rank of the fact's region among the candidates (0: it sat in the sinks or window)."""
+    hits, missed, ranks = [], defaultdict(int), []
+    for s in answer_steps:
+        pairs = [(r.fact_mass[s, g], bool(r.fact_hit[s, g]), il, h * group + g, int(r.fact_rank[s]))
+                 for il, h, r in results for g in range(group)]
+        pairs.sort(key=lambda x: -x[0])
+        top = [x for x in pairs[:TOP_PAIRS] if x[0] > 0.01]
+        if not top:
+            hits.append(float("nan"))
+            continue
+        hits.append(float(np.mean([x[1] for x in top])))
+        ranks += [x[4] for x in top]
+        for mass, hit, il, qh, _ in top:
+            if not hit:
+                missed[f"{il}.{qh}"] += 1
+    first_drop = next((first + j for j, h in enumerate(hits) if h < 1.0), None)
+    return {"answer_hits": hits, "first_drop": first_drop, "missed_pairs": dict(missed),
+            "fact_rank_median": float(np.median(ranks)) if ranks else float("nan")}
+
+
+def probe_markdown(rows: list[dict], outcomes: dict | None = None) -> str:
+    """One line per probe: for every (rule, budget), the share of the top fact-attending pairs read at
+    its routed answer steps (mean and worst), the first answer token whose step lost one, and the
+    pairs lost most often (layer.query-head x steps). `outcomes` maps (case, probe) to a text column
+    (e.g. the answers of an eval run)."""
+    keys = list(dict.fromkeys((r["rule"], r["top_k"]) for r in rows))
+    probes = list(dict.fromkeys((r["case"], r["probe"]) for r in rows))
+    by = {(r["case"], r["probe"], r["rule"], r["top_k"]): r for r in rows}
+    extra = ["answers"] if outcomes else []
+    lines = ["| case | depth | dense | " + " | ".join([f"{n} k={k}" for n, k in keys] + extra) + " |",
+             "|---|---:|---|" + "---|" * (len(keys) + len(extra))]
+    for case, i in probes:
+        cells = []
+        for n, k in keys:
+            r = by.get((case, i, n, k))
+            if r is None:
+                cells.append("–")
+                continue
+            h = np.array([x for x in r["answer_hits"] if x == x])
+            lost = sorted(r["missed_pairs"].items(), key=lambda x: -x[1])[:3]
+            where = "" if r["first_drop"] is None else f", token {r['first_drop']}: " + " ".join(f"{p}x{c}" for p, c in lost)
+            cells.append(f"{h.mean():.2f} (min {h.min():.1f}){where}" if len(h) else "–")
+        first = next(r for r in rows if (r["case"], r["probe"]) == (case, i))
+        row = [case, f"{first['depth']:.2f}", "right" if first["dense_right"] else "wrong"] + cells
+        if outcomes:
+            row.append(outcomes.get((case, i), ""))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group: int,

@@ -282,11 +282,26 @@ RULES: dict[str, Rule] = {
     "two64/8x16+amem.9": question_memory_rule(two_level_rule(64, 8, 16), 0.9, seeded=False),
     "two64/8x16+qmem.9": question_memory_rule(two_level_rule(64, 8, 16), 0.9),
     "two64/8x16+qm2": question_pin_rule(_default_scoring(16), 2),
+    # more of the budget pinned by the question's mass (`--pin 3`, `--pin 4`: every region of top-4
+    # fixed for the whole answer), and the default's pins over a longer shortlist (issue 26's lab)
+    "two64/8x16+qm3": question_pin_rule(_default_scoring(16), 3),
+    "two64/8x16+qm4": question_pin_rule(_default_scoring(16), 4),
+    "two64/8x32+qm2": question_pin_rule(_default_scoring(32), 2),
+    "two64/8x64+qm2": question_pin_rule(_default_scoring(64), 2),
+    "two64/8x128+qm2": question_pin_rule(_default_scoring(128), 2),
+    "two64/8x64q8+qm2": question_pin_rule(_default_scoring(64, "q8_0"), 2),
     # references: exact q.k of every token, max-pooled (reads all of K), and the regions that hold
     # the most true attention mass
     "token": token_max_rule,
     "oracle": oracle_rule,
 }
+
+
+def reads_question_densely(name: str) -> bool:
+    """Whether a rule stands for a route whose question pass is dense (pins or a memory seeded by it,
+    or the memory of a question read in one batch): there the step that predicts the first answer
+    token is the question batch's last row, read densely, and only the later steps are routed."""
+    return "+qm" in name or "+amem" in name
 
 
 @dataclass
