@@ -204,6 +204,28 @@ def test_layer_budget_scale_parses_and_refuses():
             layer_scale(bad, 5)
 
 
+def _save_capture(path, n_steps: int, n_question: int, seed: int) -> None:
+    """A random capture of one layer, one KV head and one probe, as `kvlocal lab` saves them."""
+    from kvlocal.lab.decode import CaseCapture
+
+    rng = np.random.default_rng(seed)
+    n_doc, dim = 1024, 128
+    keys = rng.normal(size=(1, n_doc, dim)).astype(np.float16)
+    q = rng.normal(size=(n_steps, 1, 2, dim)).astype(np.float32)
+    k = rng.normal(size=(n_steps, 1, 1, dim)).astype(np.float32)
+    CaseCapture("x", keys, [q], [k], np.array([[300, 320]]), np.array([True]), np.array([0.3]),
+                np.array([n_question]), keys.copy()).save(path)
+
+
+def _refuse_the_engine(monkeypatch) -> None:
+    from kvlocal import cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine was opened although the capture was saved")
+
+    monkeypatch.setattr(cli, "_open_session", refuse)
+
+
 def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):
     """`kvlocal lab` finds a saved capture under its haystack's name and only replays it."""
     import json
@@ -211,19 +233,9 @@ def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from kvlocal import cli
-    from kvlocal.lab.decode import CaseCapture
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the engine was opened although the capture was saved")
-
-    monkeypatch.setattr(cli, "_open_session", refuse)
-    rng = np.random.default_rng(4)
-    n_doc, dim = 1024, 128
-    keys = rng.normal(size=(1, n_doc, dim)).astype(np.float16)
-    q = rng.normal(size=(3, 1, 2, dim)).astype(np.float32)
-    k = rng.normal(size=(3, 1, 1, dim)).astype(np.float32)
-    CaseCapture("x", keys, [q], [k], np.array([[300, 320]]), np.array([True]), np.array([0.3]),
-                np.array([1]), keys.copy()).save(tmp_path / "lookalike-8192-s0-d10.npz")
+    _refuse_the_engine(monkeypatch)
+    _save_capture(tmp_path / "lookalike-8192-s0-d10.npz", n_steps=3, n_question=1, seed=4)
     result = CliRunner().invoke(cli.app, ["lab", "--lengths", "8k", "--seeds", "0", "--rules", "mean8,oracle",
                                           "--budgets", "2", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -240,19 +252,10 @@ def test_cli_plants_in_the_haystack_and_names_the_capture_after_it(tmp_path, mon
     from typer.testing import CliRunner
 
     from kvlocal import cli
-    from kvlocal.lab.decode import CaseCapture
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the engine was opened although the haystack's capture was saved")
-
-    monkeypatch.setattr(cli, "_open_session", refuse)
-    rng = np.random.default_rng(6)
-    n_doc, dim = 1024, 128
-    keys = rng.normal(size=(1, n_doc, dim)).astype(np.float16)
-    q = rng.normal(size=(4, 1, 2, dim)).astype(np.float32)
-    k = rng.normal(size=(4, 1, 1, dim)).astype(np.float32)
-    CaseCapture("x", keys, [q], [k], np.array([[300, 320]]), np.array([True]), np.array([0.3]),
-                np.array([2])).save(tmp_path / "onekey-8192-s0-d10-my-notes.npz")
+    _refuse_the_engine(monkeypatch)
+    _save_capture(tmp_path / "onekey-8192-s0-d10-my-notes.npz", n_steps=4, n_question=2, seed=6)
+    _save_capture(tmp_path / "onekey-8192-s0-d10.npz", n_steps=9, n_question=2, seed=7)  # generated prose
     haystack = tmp_path / "My Notes.txt"
     haystack.write_text("Plain prose about nothing in particular. " * 50)
     result = CliRunner().invoke(cli.app, ["lab", "--lengths", "8k", "--tasks", "onekey", "--seeds", "0",
