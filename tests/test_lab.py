@@ -300,3 +300,11 @@ def test_probe_row_names_the_first_step_and_the_heads_that_lost_the_fact():
     table = probe_markdown([dict(row, case="c", probe=0, depth=0.5, dense_right=True, rule="r", top_k=4)],
                            {("c", 0): "a / b"})
     assert "| c | 0.50 | right | 0.67 (min 0.5), token 1: 1.1x2 | a / b |" in table
+
+
+def test_the_rules_with_a_dense_question_pass_are_the_pinned_and_seeded_ones():
+    """The question's pins (+qm…) and a memory the question pass seeds or leaves empty (+qmem…, +amem…)
+    stand for a route that reads the question densely; the plain rules route every step."""
+    dense = {name for name, rule in lab_rules.RULES.items() if lab_rules.reads_question_densely(rule)}
+    assert dense == {name for name in lab_rules.RULES if "+qm" in name or "+amem" in name}
+    assert "two64/8x16+qm2" in dense and "two64/8x16+keep.9" not in dense and "oracle" not in dense

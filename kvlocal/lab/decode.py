@@ -12,6 +12,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -193,11 +194,30 @@ def replay_case(cap: CaseCapture, rules: Sequence[str], budgets: Sequence[int], 
             _accumulate(totals.setdefault(key, RuleTotals([], defaultdict(list), [], [], [])), results, group,
                         answer_steps)
             if probe_log is not None and answer_steps is not None:
-                first = 1 if reads_question_densely(key[0]) else 0
+                first = 1 if reads_question_densely(RULES[key[0]]) else 0
                 probe_log.append(dict(probe_row(results, group, answer_steps[first:], first), case=cap.name, probe=i,
                                       depth=float(cap.depths[i]), dense_right=bool(cap.correct[i]),
                                       rule=key[0], top_k=key[1]))
     return totals
+
+
+class FactPair(NamedTuple):
+    """One (layer, query head) of a step, by its attention to the asked fact."""
+
+    mass: float  # its attention mass on the fact's cells
+    hit: bool  # the rule read the region holding its peak on the fact (or it is fixed)
+    rank: int  # the rank of that region among the candidates (0: fixed)
+    layer: int
+    query_head: int
+
+
+def top_fact_pairs(results: list[tuple[int, int, HeadResult]], group: int, step: int) -> list[FactPair]:
+    """The TOP_PAIRS (layer, query head) pairs of a step that attend most to the asked fact, those
+    with over 1 % of their mass on it."""
+    pairs = [FactPair(float(r.fact_mass[step, g]), bool(r.fact_hit[step, g]), int(r.fact_rank[step]), il, h * group + g)
+             for il, h, r in results for g in range(group)]
+    pairs.sort(key=lambda x: -x.mass)
+    return [x for x in pairs[:TOP_PAIRS] if x.mass > 0.01]
 
 
 def probe_row(results: list[tuple[int, int, HeadResult]], group: int, answer_steps: np.ndarray, first: int = 0) -> dict:
@@ -210,18 +230,15 @@ def probe_row(results: list[tuple[int, int, HeadResult]], group: int, answer_ste
     rank of the fact's region among the candidates (0: it sat in the sinks or window)."""
     hits, missed, ranks = [], defaultdict(int), []
     for s in answer_steps:
-        pairs = [(r.fact_mass[s, g], bool(r.fact_hit[s, g]), il, h * group + g, int(r.fact_rank[s]))
-                 for il, h, r in results for g in range(group)]
-        pairs.sort(key=lambda x: -x[0])
-        top = [x for x in pairs[:TOP_PAIRS] if x[0] > 0.01]
+        top = top_fact_pairs(results, group, s)
         if not top:
             hits.append(float("nan"))
             continue
-        hits.append(float(np.mean([x[1] for x in top])))
-        ranks += [x[4] for x in top]
-        for mass, hit, il, qh, _ in top:
-            if not hit:
-                missed[f"{il}.{qh}"] += 1
+        hits.append(float(np.mean([x.hit for x in top])))
+        ranks += [x.rank for x in top]
+        for x in top:
+            if not x.hit:
+                missed[f"{x.layer}.{x.query_head}"] += 1
     first_drop = next((first + j for j, h in enumerate(hits) if h < 1.0), None)
     return {"answer_hits": hits, "first_drop": first_drop, "missed_pairs": dict(missed),
             "fact_rank_median": float(np.median(ranks)) if ranks else float("nan")}
@@ -275,14 +292,12 @@ def _accumulate(t: RuleTotals, results: list[tuple[int, int, HeadResult]], group
             t.layer_out_err[il] += r.out_err.ravel().tolist()
     n_steps = results[0][2].tail.shape[0]
     for s in range(n_steps):
-        pairs = [(r.fact_mass[s, g], r.fact_hit[s, g], r.fact_rank[s]) for _, _, r in results for g in range(group)]
-        pairs.sort(key=lambda x: -x[0])
-        top = [x for x in pairs[:TOP_PAIRS] if x[0] > 0.01]
+        top = top_fact_pairs(results, group, s)
         if top:
-            t.hits.append(float(np.mean([x[1] for x in top])))
+            t.hits.append(float(np.mean([x.hit for x in top])))
             if answer_steps is not None and s in answer_steps:
                 t.answer_hits.append(t.hits[-1])
-            t.ranks += [int(x[2]) for x in top if x[2] > 0]
+            t.ranks += [x.rank for x in top if x.rank > 0]
 
 
 def summarize(totals: dict) -> list[dict]:

@@ -211,6 +211,7 @@ def question_pin_rule(rule: Rule, pins: int) -> Rule:
                 acc += ev[i]
         return out, scan
 
+    wrapped.dense_question = True  # see reads_question_densely
     return wrapped
 
 
@@ -229,7 +230,9 @@ def question_memory_rule(rule: Rule, gamma: float, seeded: bool = True) -> Rule:
         mass = mass * cand_row
         return mass / mass.sum() if mass.sum() > 0 else mass
 
-    return persistent_rule(rule, gamma, answer_start=question_mass)
+    wrapped = persistent_rule(rule, gamma, answer_start=question_mass)
+    wrapped.dense_question = True  # see reads_question_densely
+    return wrapped
 
 
 def oracle_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
@@ -297,11 +300,12 @@ RULES: dict[str, Rule] = {
 }
 
 
-def reads_question_densely(name: str) -> bool:
-    """Whether a rule stands for a route whose question pass is dense (pins or a memory seeded by it,
-    or the memory of a question read in one batch): there the step that predicts the first answer
-    token is the question batch's last row, read densely, and only the later steps are routed."""
-    return "+qm" in name or "+amem" in name
+def reads_question_densely(rule: Rule) -> bool:
+    """Whether a rule stands for a route whose question pass is dense (question_pin_rule and
+    question_memory_rule: pins or a memory seeded by it, or the memory of a question read in one
+    batch): there the step that predicts the first answer token is the question batch's last row,
+    read densely, and only the later steps are routed."""
+    return getattr(rule, "dense_question", False)
 
 
 @dataclass
