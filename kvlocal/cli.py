@@ -497,7 +497,7 @@ def eval_(
     """
     from kvlocal.errors import UsageError
     from kvlocal.evals import report
-    from kvlocal.evals.runner import GridConfig, run_grid
+    from kvlocal.evals.runner import GridConfig, depth_grid, run_grid
     from kvlocal.evals.tasks import TASKS
     from kvlocal.ingest import load_document
 
@@ -518,7 +518,7 @@ def eval_(
     for mode in mode_list:
         routing.config(mode)  # every mode checked with these settings before any work
     config = GridConfig(
-        lengths=_lengths(lengths), depths=[round(i / (n - 1), 3) for i in range(n)] if not quick else [0.25, 0.5],
+        lengths=_lengths(lengths), depths=depth_grid(n) if not quick else [0.25, 0.5],
         tasks=[t.strip() for t in tasks.split(",") if t.strip()], modes=mode_list, seeds=_ints(seeds),
         route=routing.config(DEFAULT_MODE),  # each mode's route: these settings in that mode
         sweep=_bounded("--sweep", _ints(sweep), 0, MAX_TOP_K), max_tokens=max_tokens, prefill=prefilling.config(prefill),
@@ -750,7 +750,7 @@ def lab(
 
     from kvlocal.atomic import write_text_atomic
     from kvlocal.errors import UsageError
-    from kvlocal.evals.runner import task_answer_tokens
+    from kvlocal.evals.runner import depth_grid, task_answer_tokens
     from kvlocal.evals.tasks import TASKS
     from kvlocal.lab import decode as lab_mod
     from kvlocal.lab.prefill import PREFILL_RULES
@@ -773,7 +773,7 @@ def lab(
     # the region geometry checked as the engine would (the lab keeps no centroid block)
     RouteOptions(top_k=max(ks), region=region, window=window, sinks=sinks, centroid_block=0).config("geometric")
     geo = Geometry(region=region, sinks=sinks, window=window)
-    depth_list = [round(i / (depths - 1), 3) for i in range(depths)]  # as `kvlocal eval` plants them
+    depth_list = depth_grid(depths)  # as `kvlocal eval` plants them
     if prefill:
         chunk_list = _ints(chunks)
         if not chunk_list or min(chunk_list) < 1:

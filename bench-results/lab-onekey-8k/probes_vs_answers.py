@@ -19,7 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlocal.evals.runner import question_pass
 from kvlocal.lab.decode import probe_markdown
+from kvlocal.route_settings import (
+    DEFAULT_CENTROID_TYPE, DEFAULT_HINTS, DEFAULT_MODE, DEFAULT_PIN, DEFAULT_QUESTION, DEFAULT_SHORTLIST,
+    DEFAULT_TOP_K, DEFAULT_WINDOW,
+)
 
 
 def answers_by_probe(results_path: str, haystack: str) -> dict:
@@ -29,9 +34,11 @@ def answers_by_probe(results_path: str, haystack: str) -> dict:
         if r.get("haystack", "") != haystack or r["task"] != "onekey":
             continue
         # rows of older runs lack the fields added since; their values then were the defaults
-        default = (r["mode"] == "geometric" and r["top_k"] == 4 and r.get("pin", 2) == 2 and r.get("hints", 0) == 0
-                   and r.get("question", "dense") == "dense" and r.get("window", 128) == 128
-                   and r.get("centroid_type", "f16") == "f16" and r.get("shortlist", -1) == -1)
+        default = (r["mode"] == DEFAULT_MODE and r["top_k"] == DEFAULT_TOP_K and r.get("pin", DEFAULT_PIN) == DEFAULT_PIN
+                   and r.get("hints", DEFAULT_HINTS) == DEFAULT_HINTS and question_pass(r) == DEFAULT_QUESTION
+                   and r.get("window", DEFAULT_WINDOW) == DEFAULT_WINDOW
+                   and r.get("centroid_type", DEFAULT_CENTROID_TYPE) == DEFAULT_CENTROID_TYPE
+                   and r.get("shortlist", DEFAULT_SHORTLIST) == DEFAULT_SHORTLIST)
         if r["mode"] == "full" or default:
             answers[(r["seed"], r["probe"], r["mode"])] = (r["answer"].strip(), r["score"] >= 1)
     return answers

@@ -2,17 +2,17 @@
 hinted top-1 step reads, the regions of the code and of its sentence's first token. Run from the repository
 root on cached haystacks: .venv/bin/python bench-results/onekey-hint-reads/hint_reads.py gen|FILLER 0,1,2"""
 import sys
-from pathlib import Path
 from kvlocal.session import Session
-from kvlocal.evals.runner import make_case
+from kvlocal.evals.runner import depth_grid, make_case
+from kvlocal.ingest import load_document
 from kvlocal.evals.tasks import ONEKEY_SHAPES
 from kvlocal.hints import TextIndex, hint_cells, cell_text
 filler = sys.argv[1] if sys.argv[1] != "gen" else None
 seeds = [int(s) for s in sys.argv[2].split(",")]
 s = Session(None, threads=1)
-depths = [round(i / 9, 3) for i in range(10)]
+depths = depth_grid(10)
 for seed in seeds:
-    case = make_case(s, "onekey", 8192, depths, seed, Path(filler).read_text() if filler else None)
+    case = make_case(s, "onekey", 8192, depths, seed, load_document(filler).text if filler else None)
     s.load_document(case.text, label="x")
     pieces = s.token_pieces(s.prefix_cell_tokens())
     index = TextIndex.of(pieces)

@@ -61,6 +61,11 @@ def haystack_tokens(length: int) -> int:
     return length - ANSWER_RESERVE - TEMPLATE_RESERVE
 
 
+def depth_grid(n: int) -> list[float]:
+    """`n` fact depths from 0 to 1, evenly spaced (n >= 2): where `kvlocal eval --depths n` plants them."""
+    return [round(i / (n - 1), 3) for i in range(n)]
+
+
 def make_case(session: Session, task: str, length: int, depths, seed: int, filler: str | None = None) -> Case:
     """The haystack for a context of `length` tokens (room left for the template, question and answer)."""
     count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731

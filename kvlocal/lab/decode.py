@@ -12,8 +12,8 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -250,12 +250,14 @@ def probe_markdown(rows: list[dict], outcomes: dict | None = None) -> str:
     pairs lost most often (layer.query-head x steps). `outcomes` maps (case, probe) to a text column
     (e.g. the answers of an eval run)."""
     keys = list(dict.fromkeys((r["rule"], r["top_k"]) for r in rows))
-    probes = list(dict.fromkeys((r["case"], r["probe"]) for r in rows))
     by = {(r["case"], r["probe"], r["rule"], r["top_k"]): r for r in rows}
+    probe_of = {}  # (case, probe) -> its first row: the depth and the dense answer are the same in all
+    for r in rows:
+        probe_of.setdefault((r["case"], r["probe"]), r)
     extra = ["answers"] if outcomes else []
     lines = ["| case | depth | dense | " + " | ".join([f"{n} k={k}" for n, k in keys] + extra) + " |",
              "|---|---:|---|" + "---|" * (len(keys) + len(extra))]
-    for case, i in probes:
+    for case, i in probe_of:
         cells = []
         for n, k in keys:
             r = by.get((case, i, n, k))
@@ -266,8 +268,8 @@ def probe_markdown(rows: list[dict], outcomes: dict | None = None) -> str:
             lost = sorted(r["missed_pairs"].items(), key=lambda x: -x[1])[:3]
             where = "" if r["first_drop"] is None else f", token {r['first_drop']}: " + " ".join(f"{p}x{c}" for p, c in lost)
             cells.append(f"{h.mean():.2f} (min {h.min():.1f}){where}" if len(h) else "–")
-        first = next(r for r in rows if (r["case"], r["probe"]) == (case, i))
-        row = [case, f"{first['depth']:.2f}", "right" if first["dense_right"] else "wrong"] + cells
+        probe = probe_of[(case, i)]
+        row = [case, f"{probe['depth']:.2f}", "right" if probe["dense_right"] else "wrong"] + cells
         if outcomes:
             row.append(outcomes.get((case, i), ""))
         lines.append("| " + " | ".join(row) + " |")
