@@ -76,6 +76,8 @@ class AnswerSummary(ReadTotals):
         super().add(stats)
         for li, layer in enumerate(stats.layers):
             for region in np.unique(stats.regions[li]):
+                if region < 0:  # the padding of a layer with a smaller budget
+                    continue
                 key = (int(layer), int(region))
                 self.region_reads[key] = self.region_reads.get(key, 0) + 1
 

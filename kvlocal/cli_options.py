@@ -25,6 +25,7 @@ from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK,
     DEFAULT_CENTROID_TYPE,
     DEFAULT_HINTS,
+    DEFAULT_LAYER_TOP_K,
     DEFAULT_KEEP,
     DEFAULT_PIN,
     DEFAULT_PREFILL_FROM,
@@ -138,6 +139,10 @@ HintsOpt = Annotated[int, typer.Option(
     "routing; 0: none): the word's region, and the next where its sentence runs on (top-k is raised to fit). "
     "Helps facts that differ from their look-alikes in one word; with --top-k 1 --question-pass steps a step "
     "reads the hinted sentence and nothing else beside the sinks and window.")]
+LayerTopKOpt = Annotated[str, typer.Option(
+    "--layer-top-k", metavar="LAYERS=K,...", rich_help_panel=ROUTING,
+    help="Regions some layers read per step instead of --top-k, e.g. 16-23=8 (layers 16 to 23 read 8, the "
+    "others --top-k); the controls read as many per layer.")]
 CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", min=0, max=max(CENTROID_BLOCKS), rich_help_panel=ROUTING,
     help="Tokens per key centroid (0: none, every step reads densely).")]
@@ -172,6 +177,7 @@ class RouteOptions:
     keep: KeepOpt = DEFAULT_KEEP
     pin: PinOpt = DEFAULT_PIN
     hints: HintsOpt = DEFAULT_HINTS
+    layer_top_k: LayerTopKOpt = DEFAULT_LAYER_TOP_K
     centroid_block: CentroidBlockOpt = DEFAULT_CENTROID_BLOCK
     centroid_type: CentroidTypeOpt = DEFAULT_CENTROID_TYPE
     question_pass: QuestionPassOpt = DEFAULT_QUESTION
@@ -184,7 +190,8 @@ class RouteOptions:
 
         route = RouteConfig(mode=mode, region=self.region, top_k=self.top_k, window=self.window, sinks=self.sinks,
                             seed=seed, shortlist=self.shortlist, keep=self.keep, question=self.question_pass,
-                            question_top_k=self.question_top_k, pin=self.pin, hints=self.hints)
+                            question_top_k=self.question_top_k, pin=self.pin, hints=self.hints,
+                            layer_top_k=self.layer_top_k)
         check_region_block(self.region, self.centroid_block)
         check_centroid_type(self.centroid_type)
         return route

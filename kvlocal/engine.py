@@ -242,7 +242,7 @@ def route_api() -> ctypes.CDLL:
     lib.llama_kv_route_get_stats.restype = ctypes.c_int32
     lib.llama_kv_route_set_hints.argtypes = [ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
     lib.llama_kv_route_set_hints.restype = ctypes.c_int32
-    for name in ("llama_kv_route_get_regions", "llama_kv_route_get_layers"):
+    for name in ("llama_kv_route_set_layer_top_k", "llama_kv_route_get_regions", "llama_kv_route_get_layers"):
         fn = getattr(lib, name)
         fn.argtypes = [ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
         fn.restype = ctypes.c_int32

@@ -498,6 +498,7 @@ class SetReads:
             self.routed_steps += 1
             R = stats.region_size
             regions, counts = np.unique(stats.regions.ravel(), return_counts=True)
+            regions, counts = regions[regions >= 0], counts[regions >= 0]  # -1: a smaller layer budget's padding
             for region, count in zip(regions.tolist(), counts.tolist()):
                 self._add_cells(region * R, (region + 1) * R, count)
 

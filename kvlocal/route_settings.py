@@ -81,6 +81,31 @@ DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's
 # lab's tables that chose the defaults").
 DEFAULT_PIN = 2
 
+# Budgets per layer: "16-23=8" makes layers 16 to 23 route 8 regions at each single-token step and
+# the others top-k (llama_kv_route_set_layer_top_k). The routing lab found the look-alike fact lost
+# mostly in the last third of the default model's layers (BENCHMARKS.md section 6), so the same bytes
+# may buy more there; off by default until it is measured end to end.
+DEFAULT_LAYER_TOP_K = ""
+
+
+def parse_layer_top_k(spec: str) -> tuple[tuple[int, int, int], ...]:
+    """'16-23=8,0=2' -> ((16, 23, 8), (0, 0, 2)): layer ranges (inclusive) and their regions per step;
+    ValueError, in words, for anything else."""
+    parts = []
+    for item in (p.strip() for p in spec.split(",")):
+        layers, sep, k = item.partition("=")
+        first, dash, last = layers.partition("-")
+        try:
+            first_i, last_i, k_i = int(first), int(last) if dash else int(first), int(k)
+        except ValueError:
+            raise ValueError(f"{item!r} is not LAYERS=K (e.g. 16-23=8 or 5=2)") from None
+        if not sep or first_i < 0 or last_i < first_i:
+            raise ValueError(f"{item!r} is not LAYERS=K with LAYERS a layer or a range FIRST-LAST (e.g. 16-23=8)")
+        if not 1 <= k_i <= MAX_TOP_K:
+            raise ValueError(f"{item!r}: a layer's regions must be between 1 and {MAX_TOP_K:,}")
+        parts.append((first_i, last_i, k_i))
+    return tuple(parts)
+
 # Text hints (kvlocal/hints.py): geometric routing also reads the HINTS regions whose text shares the
 # question's rarest words (with the tokens that follow the word), in place of as many of its top-k
 # choices. Off by default: measured on look-alike facts only so far (BENCHMARKS.md section 7).

@@ -15,6 +15,7 @@ from kvlocal.route_settings import (
     CENTROID_BLOCKS,
     CENTROID_TYPES,
     DEFAULT_HINTS,
+    DEFAULT_LAYER_TOP_K,
     DEFAULT_KEEP,
     DEFAULT_MODE,
     DEFAULT_PIN,
@@ -41,6 +42,7 @@ from kvlocal.route_settings import (
     PREFILL_MODES,
     PREFILL_SHORTLIST_SHARE,
     QUESTION_PASSES,
+    parse_layer_top_k,
 )
 
 
@@ -123,6 +125,7 @@ class RouteConfig:
     question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions the question's routed batch reads
     pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (0: none)
     hints: int = DEFAULT_HINTS  # regions the question's rarest words hint (kvlocal/hints.py; 0: none)
+    layer_top_k: str = DEFAULT_LAYER_TOP_K  # e.g. "16-23=8": those layers' regions per step, the others top_k
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
@@ -153,6 +156,13 @@ class RouteConfig:
         if not 0 <= self.hints <= MAX_TOP_K:
             raise UsageError(f"the hinted regions must be between 0 and {MAX_TOP_K:,} (got {self.hints})",
                              setting="hints")
+        if self.layer_top_k:
+            try:
+                parse_layer_top_k(self.layer_top_k)
+            except ValueError as exc:
+                raise UsageError(f"--layer-top-k: {exc}", setting="layer_top_k") from None
+            if self.top_k < 1:
+                raise UsageError("budgets per layer need a top-k of at least 1 for the other layers", setting="layer_top_k")
         if not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"the random route's seed must be between 0 and {MAX_SEED} (got {self.seed})", setting="seed")
 
@@ -176,6 +186,19 @@ class RouteConfig:
         if n_regions <= self.top_k:
             return self
         return replace(self, top_k=n_regions, pin=self.pins)
+
+    def layer_budgets(self, n_layer: int) -> list[int]:
+        """The regions each of a model's `n_layer` layers routes per single-token step: top-k, or
+        what layer_top_k gives it ([] when it gives none); UsageError for a layer the model lacks."""
+        if not self.layer_top_k:
+            return []
+        budgets = [self.top_k] * n_layer
+        for first, last, k in parse_layer_top_k(self.layer_top_k):
+            if last >= n_layer:
+                raise UsageError(f"--layer-top-k {self.layer_top_k}: the model has layers 0-{n_layer - 1}",
+                                 setting="layer_top_k")
+            budgets[first : last + 1] = [k] * (last - first + 1)
+        return budgets
 
     @property
     def route_mode(self) -> RouteMode:
@@ -216,11 +239,18 @@ class RouteConfig:
         if api.llama_kv_route_set(ctx, params) != 0:
             blk = api.llama_kv_route_cent_blk(ctx)
             raise UsageError(f"the engine rejected the routing settings {self} (centroid block {blk})")
+        module = llama_cpp()
+        budgets = self.layer_budgets(module.llama_model_n_layer(module.llama_get_model(ctx)))
+        array = (ctypes.c_int32 * len(budgets))(*budgets)
+        if api.llama_kv_route_set_layer_top_k(ctx, array, len(budgets)) != 0:
+            raise UsageError(f"the engine rejected the budgets per layer {self.layer_top_k!r}", setting="layer_top_k")
 
     def describe(self) -> str:
         if self.route_mode == RouteMode.FULL:
             return "full (dense attention)"
         text = f"{self.mode}: top-{self.top_k} regions of {self.region} tokens + {self.sinks} sink + {self.window} window tokens"
+        if self.layer_top_k:
+            text += f" (layers {self.layer_top_k})"
         if self.route_mode == RouteMode.GEOMETRIC and self.shortlist == SHORTLIST_AUTO:
             text += ", shortlist by document"
         elif self.route_mode == RouteMode.GEOMETRIC and self.shortlist:
@@ -332,7 +362,8 @@ class ReadStats:
     bytes_meta: int
     bytes_dense: int
     layers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [n_layer_routed]
-    regions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.int32))  # [layer, head, n_sel]
+    # [layer, head, n_sel]; -1 after the regions of a layer that read fewer than n_sel (budgets per layer)
+    regions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.int32))
 
     @property
     def bytes_read(self) -> int:

@@ -22,7 +22,7 @@ from kvlocal.cli_options import PREFILL, ROUTING, PrefillOptions, RouteOptions
 from kvlocal.errors import UsageError
 
 SHARED = ("ask", "tui", "eval", "bench", "demo")  # commands whose options are the shared ones (lab has its own)
-ROUTING_OPTIONS = {"--top-k", "--region", "--window", "--sinks", "--shortlist", "--keep", "--pin", "--hints",
+ROUTING_OPTIONS = {"--top-k", "--region", "--window", "--sinks", "--shortlist", "--keep", "--pin", "--hints", "--layer-top-k",
                    "--centroid-block", "--centroid-type", "--seed", "--question-pass", "--question-top-k"}
 PREFILL_OPTIONS = {"--prefill", "--prefill-top-k", "--prefill-from", "--prefill-ubatch"}
 

@@ -26,16 +26,17 @@ def summarize(rows: list[dict]) -> dict:
     for r in answers:
         groups[(r["n_documents"], r["length"], r["reference"], r["mode"], r["top_k"] if r["mode"] != "full" else 0,
                 r.get("haystack", ""), r.get("hints", 0), _question(r) if r["mode"] != "full" else "",
-                r.get("layout", ""), r.get("questions", "template"), hint_rule(r))].append(r)
+                r.get("layout", ""), r.get("questions", "template"), hint_rule(r),
+                r.get("layer_top_k", "") if r["mode"] != "full" else "")].append(r)
     cells = []
-    for (n_docs, length, reference, mode, top_k, haystack, hints, question, _, questions, rule), group in sorted(
+    for (n_docs, length, reference, mode, top_k, haystack, hints, question, _, questions, rule, layers), group in sorted(
             groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][5], kv[0][9], REFERENCE_RANK.get(kv[0][2], 9),
                                             kv[0][8], _mode_rank(kv[0][3]), kv[0][4], kv[0][6], kv[0][10], kv[0][7])):
         shares = [r["fact_document_share"] for r in group if r.get("fact_document_share") is not None]
         cells.append({
             "n_documents": n_docs, "length": length, "haystack": haystack, "reference": reference, "mode": mode,
             "top_k": top_k or None, "hints": hints, "question": question, "seeds": sorted({r["seed"] for r in group}),
-            "questions": questions, "hint_rule": rule,
+            "questions": questions, "hint_rule": rule, "layer_top_k": layers,
             **_accuracy(group),
             "answer_reduction": mean(answer_reduction(r) for r in group),
             "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in group if r["bytes_read"]),
@@ -87,6 +88,8 @@ def markdown(summary: dict) -> str:
         if c.get("questions", "template") != "template":
             what += f", {c['questions']} questions"
         mode = c["mode"] if c["mode"] == "full" else f"{c['mode']} top-{c['top_k']}"
+        if c.get("layer_top_k"):
+            mode += f" (layers {c['layer_top_k']})"
         if c.get("hints"):
             mode += f" hints {c['hints']}" + (f" ({c['hint_rule']} rule)" if c.get("hint_rule") != HINT_RULE else "")
         if c.get("question") and c["question"] != "dense":

@@ -85,7 +85,7 @@ def answer_key(row: dict) -> tuple:
             row["question"], row["question_top_k"], row["haystack"], row["centroid_block"], row["max_tokens"],
             row["facts_per_doc"], row.get("first_document", 0), row.get("hints", 0),
             row.get("layout_asked", "auto"),  # rows before --layout was recorded ran the automatic layout
-            row.get("questions", "template"), hint_rule(row))
+            row.get("questions", "template"), hint_rule(row), row.get("layer_top_k", ""))
 
 
 def run_library(

@@ -122,7 +122,8 @@ def row_key(row: dict) -> tuple:
             row.get("pin", 0),  # ... and pinned nothing by the question
             row.get("estimate", False),  # a row that ran the retired estimate of unread regions: another cell
             row.get("hints", 0),  # rows before text hints read none
-            hint_rule(row))
+            hint_rule(row),
+            row.get("layer_top_k", ""))  # ... and gave every layer the same top-k
 
 
 def hint_rule(row: dict) -> str:
@@ -204,7 +205,7 @@ def _key(length, task, seed, probe_index, route, haystack_name, session, max_tok
                     "centroid_type": session.centroid_type, "max_tokens": max_tokens,
                     "shortlist": route.shortlist, "keep": route.keep,
                     "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag,
-                    "pin": route.pin, "hints": route.hints, "hint_rule": HINT_RULE})
+                    "pin": route.pin, "hints": route.hints, "hint_rule": HINT_RULE, "layer_top_k": route.layer_top_k})
 
 
 def _load(session: Session, case: Case, length: int, seed: int, prefill: PrefillConfig, prefill_tag: str, log) -> dict:
