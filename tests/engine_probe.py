@@ -94,6 +94,15 @@ class RawContext:
         m.llama_model_free(self.model)
 
 
+def context_with_document(model_path: Path, n_doc: int, seed: int = 0) -> RawContext:
+    """A RawContext (2,048 cells) that has prefilled `n_doc` random tokens."""
+    import numpy as np
+
+    ctx = RawContext(model_path, n_ctx=2048)
+    ctx.decode([int(t) for t in np.random.default_rng(seed).integers(0, 250, size=n_doc)])
+    return ctx
+
+
 def routed_steps(raw: RawContext, steps: list[int], route) -> list:
     """Set `route` (a RouteConfig) and decode `steps` one token at a time: (logits, read stats) per step."""
     from kvlocal.routing import read_stats

@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-from engine_probe import RawContext, routed_steps  # noqa: E402
+from engine_probe import RawContext, context_with_document, routed_steps  # noqa: E402
 
 from kvlocal.engine import llama_cpp, route_api  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
@@ -24,9 +24,7 @@ FIXED = 3  # regions read whatever the route: 1 sink, 2 window
 
 @pytest.fixture(scope="module")
 def raw(tiny_model):
-    ctx = RawContext(tiny_model, n_ctx=2048)
-    rng = np.random.default_rng(0)
-    ctx.decode([int(t) for t in rng.integers(0, 250, size=N_DOC)])
+    ctx = context_with_document(tiny_model, N_DOC)
     yield ctx
     ctx.close()
 

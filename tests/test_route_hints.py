@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-from engine_probe import RawContext  # noqa: E402
+from engine_probe import RawContext, context_with_document  # noqa: E402
 
 from kvlocal.engine import llama_cpp, route_api  # noqa: E402
 from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
@@ -19,9 +19,7 @@ N_DOC = 1500  # 24 regions of 64 cells: region 0 the sinks, 22-23 the window
 
 @pytest.fixture(scope="module")
 def raw(tiny_model):
-    ctx = RawContext(tiny_model, n_ctx=2048)
-    rng = np.random.default_rng(0)
-    ctx.decode([int(t) for t in rng.integers(0, 250, size=N_DOC)])
+    ctx = context_with_document(tiny_model, N_DOC)
     yield ctx
     ctx.close()
 
