@@ -38,6 +38,9 @@ from kvlocal.route_settings import (
     DEFAULT_SINKS,
     DEFAULT_TOP_K,
     DEFAULT_WINDOW,
+    LIBRARY_HINTS,
+    LIBRARY_QUESTION,
+    LIBRARY_TOP_K,
     MAX_ANSWER_TOKENS,
     MAX_CTX,
     MAX_REGION,
@@ -113,9 +116,10 @@ def _shortlist_value(text: str) -> int:
     return value
 
 
-TopKOpt = Annotated[int, typer.Option(
-    "--top-k", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
-    help="Regions each step reads per layer and KV head, besides the sinks and the window.")]
+TopKOpt = Annotated[Optional[int], typer.Option(
+    "--top-k", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING, show_default=f"{DEFAULT_TOP_K}; a set of documents: {LIBRARY_TOP_K}",
+    help="Regions each step reads per layer and KV head, besides the sinks and the window. A set of several "
+    "documents answers with its own route (--top-k 1 --hints 1 --question-pass steps) unless one of the three is given.")]
 RegionOpt = Annotated[int, typer.Option(
     "--region", min=1, max=MAX_REGION, rich_help_panel=ROUTING, help=f"Tokens per region: a power of two up to {MAX_REGION}.")]
 WindowOpt = Annotated[int, typer.Option(
@@ -133,8 +137,8 @@ KeepOpt = Annotated[float, typer.Option(
 PinOpt = Annotated[int, typer.Option(
     "--pin", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
     help="Regions of --top-k the dense question pass keeps read for the whole answer.")]
-HintsOpt = Annotated[int, typer.Option(
-    "--hints", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
+HintsOpt = Annotated[Optional[int], typer.Option(
+    "--hints", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING, show_default=f"{DEFAULT_HINTS}; a set of documents: {LIBRARY_HINTS}",
     help="Places of the question's rarest words whose regions are read in place of --top-k choices (geometric "
     "routing; 0: none): the word's region, and the next where its sentence runs on (top-k is raised to fit). "
     "Helps facts that differ from their look-alikes in one word; with --top-k 1 --question-pass steps a step "
@@ -148,8 +152,8 @@ CentroidBlockOpt = Annotated[int, typer.Option(
     help="Tokens per key centroid (0: none, every step reads densely).")]
 CentroidTypeOpt = Annotated[str, typer.Option(
     "--centroid-type", rich_help_panel=ROUTING, help="Type of the key centroids: f16, or q8_0 (about half the bytes).")]
-QuestionPassOpt = Annotated[str, typer.Option(
-    "--question-pass", rich_help_panel=ROUTING,
+QuestionPassOpt = Annotated[Optional[str], typer.Option(
+    "--question-pass", rich_help_panel=ROUTING, show_default=f"{DEFAULT_QUESTION}; a set of documents: {LIBRARY_QUESTION}",
     help="How the question reads the document: dense (once, all of it), routed (once, --question-top-k "
     "regions) or steps (token by token, like the answer).")]
 QuestionTopKOpt = Annotated[int, typer.Option(
@@ -169,18 +173,18 @@ PrefillUbatchOpt = Annotated[int, typer.Option(
 class RouteOptions:
     """The decode route's tuning and the key centroids it scores regions by (the session keeps them)."""
 
-    top_k: TopKOpt = DEFAULT_TOP_K
+    top_k: TopKOpt = None  # None: DEFAULT_TOP_K, or the library route's on a set (with hints and question_pass)
     region: RegionOpt = DEFAULT_REGION
     window: WindowOpt = DEFAULT_WINDOW
     sinks: SinksOpt = DEFAULT_SINKS
     shortlist: ShortlistOpt = DEFAULT_SHORTLIST
     keep: KeepOpt = DEFAULT_KEEP
     pin: PinOpt = DEFAULT_PIN
-    hints: HintsOpt = DEFAULT_HINTS
+    hints: HintsOpt = None
     layer_top_k: LayerTopKOpt = DEFAULT_LAYER_TOP_K
     centroid_block: CentroidBlockOpt = DEFAULT_CENTROID_BLOCK
     centroid_type: CentroidTypeOpt = DEFAULT_CENTROID_TYPE
-    question_pass: QuestionPassOpt = DEFAULT_QUESTION
+    question_pass: QuestionPassOpt = None
     question_top_k: QuestionTopKOpt = DEFAULT_QUESTION_TOP_K
 
     def config(self, mode: str, seed: int = 0):
@@ -188,13 +192,20 @@ class RouteOptions:
         can follow them with these centroids."""
         from kvlocal.routing import RouteConfig, check_centroid_type, check_region_block
 
-        route = RouteConfig(mode=mode, region=self.region, top_k=self.top_k, window=self.window, sinks=self.sinks,
-                            seed=seed, shortlist=self.shortlist, keep=self.keep, question=self.question_pass,
-                            question_top_k=self.question_top_k, pin=self.pin, hints=self.hints,
-                            layer_top_k=self.layer_top_k)
+        given = (self.top_k, self.hints, self.question_pass)
+        route = RouteConfig(mode=mode, region=self.region, top_k=_or(self.top_k, DEFAULT_TOP_K), window=self.window,
+                            sinks=self.sinks, seed=seed, shortlist=self.shortlist, keep=self.keep,
+                            question=_or(self.question_pass, DEFAULT_QUESTION), question_top_k=self.question_top_k,
+                            pin=self.pin, hints=_or(self.hints, DEFAULT_HINTS), layer_top_k=self.layer_top_k,
+                            follows_set=all(value is None for value in given))
         check_region_block(self.region, self.centroid_block)
         check_centroid_type(self.centroid_type)
         return route
+
+
+def _or(value, default):
+    """An option's value, or its default where it was not given (None)."""
+    return default if value is None else value
 
 
 @dataclass(frozen=True)

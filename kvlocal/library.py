@@ -115,6 +115,10 @@ class Library(Session):
         self.layout = ""
         self._cell_tokens: list[int] = []  # the prefix's tokens in cell order (for region text)
 
+    @property
+    def n_documents(self) -> int:
+        return max(1, len(self.spans))
+
     def load_document(self, *args, **kwargs) -> LoadResult:
         """Session.load_document; the set held before (its spans and cell tokens) is gone with it."""
         self.spans, self.layout, self._cell_tokens = (), "", []

@@ -111,6 +111,20 @@ def parse_layer_top_k(spec: str) -> tuple[tuple[int, int, int], ...]:
 # choices. Off by default: measured on look-alike facts only so far (BENCHMARKS.md section 7).
 DEFAULT_HINTS = 0
 
+# A set of several documents (`kvlocal ask DOC DOC... "question"`, the TUI with a set): facts that
+# recur across the documents with one word changed defeat the default route and dense attention alike
+# (the answers collapse onto one document's code), and a route that reads only the sentence of the
+# question's rarest word answers them: over 4 documents x 8k on three fact shapes 96 % where the
+# default route answered 0-8 % and full attention 46 %, over 16 documents 82 % where each document
+# alone answers 83 % (BENCHMARKS.md section 7). So a set's geometric answers take LIBRARY_TOP_K,
+# LIBRARY_HINTS and LIBRARY_QUESTION unless --top-k, --hints or --question-pass is given, and a
+# question whose words hint nowhere in the set's text takes the single-document defaults instead
+# (RouteConfig.for_set). One document keeps the defaults above: there the hinted route answered fewer
+# look-alike facts than the default route (58 % against 79 % at 8k, BENCHMARKS.md section 6).
+LIBRARY_TOP_K = 1
+LIBRARY_HINTS = 1
+LIBRARY_QUESTION = "steps"
+
 # How a document is prefilled: "dense" reads every earlier cell for every ubatch; "routed" lets a
 # ubatch that starts PREFILL_FROM or more tokens into the document read the sinks, the window before
 # it, itself and the PREFILL_TOP_K regions per layer and KV head that its queries choose together

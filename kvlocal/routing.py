@@ -32,6 +32,9 @@ from kvlocal.route_settings import (
     DEFAULT_SINKS,
     DEFAULT_TOP_K,
     DEFAULT_WINDOW,
+    LIBRARY_HINTS,
+    LIBRARY_QUESTION,
+    LIBRARY_TOP_K,
     MAX_CTX,
     MAX_REGION,
     MAX_SEED,
@@ -126,6 +129,12 @@ class RouteConfig:
     pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (0: none)
     hints: int = DEFAULT_HINTS  # regions the question's rarest words hint (kvlocal/hints.py; 0: none)
     layer_top_k: str = DEFAULT_LAYER_TOP_K  # e.g. "16-23=8": those layers' regions per step, the others top_k
+    # top_k, hints and question were left at their defaults: a set of several documents answers with the
+    # library route instead (for_set)
+    follows_set: bool = False
+    # the route a question takes when its words hint nowhere in the text (for_set's library route: the
+    # route it came from)
+    unhinted: RouteConfig | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_NAMES:
@@ -186,6 +195,24 @@ class RouteConfig:
         if n_regions <= self.top_k:
             return self
         return replace(self, top_k=n_regions, pin=self.pins)
+
+    def for_set(self, n_documents: int) -> RouteConfig:
+        """The route an answer over a set of `n_documents` documents takes: where this one follows the
+        set (geometric, top-k, hints and question pass at their defaults) and the set has several
+        documents, the library route of route_settings (LIBRARY_TOP_K regions, LIBRARY_HINTS hints,
+        the question decoded as LIBRARY_QUESTION), whose `unhinted` is this route for a question that
+        gets no hint; else this route."""
+        if not self.follows_set or n_documents < 2 or self.route_mode != RouteMode.GEOMETRIC:
+            return self
+        own = replace(self, follows_set=False)
+        return replace(own, top_k=LIBRARY_TOP_K, hints=LIBRARY_HINTS, question=LIBRARY_QUESTION, unhinted=own)
+
+    def for_hints(self, n_hints: int) -> RouteConfig:
+        """The route once the question's hints are known: `unhinted` where it has one and the question
+        got no hint (without `unhinted` itself), else this one."""
+        if self.unhinted is not None and n_hints == 0:
+            return self.unhinted
+        return replace(self, unhinted=None) if self.unhinted is not None else self
 
     def layer_budgets(self, n_layer: int) -> list[int]:
         """The regions each of a model's `n_layer` layers routes per single-token step: top-k, or
@@ -259,6 +286,8 @@ class RouteConfig:
             text += f", keep {self.keep:g}"
         if self.pins:
             text += f", {self.pins} pinned by the question"
+        if self.hinted:
+            text += f", {self.hinted} hinted by the question's rarest words"
         text += "; " + self.describe_question()
         return text
 

@@ -425,6 +425,11 @@ class Session:
 
     # -- questions ------------------------------------------------------------------------
 
+    @property
+    def n_documents(self) -> int:
+        """Documents the loaded prefix holds (a Library's set may hold several)."""
+        return 1
+
     def prefix_cell_tokens(self) -> list[int]:
         """The tokens of the prefix (template head and document) in cell order."""
         return [int(t) for t in self.llm.input_ids[: self.n_prefix]]
@@ -521,12 +526,13 @@ class Session:
         if self.llm is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
         check_ask_settings(question, max_tokens, temperature, seed)
-        route = (route or RouteConfig()).for_document(self.prefix_cells)  # an automatic shortlist, once per answer
+        route = (route or RouteConfig()).for_set(self.n_documents)  # a set's own route where the defaults are kept
         check_region_block(route.region, self.centroid_block)
         module = llama_cpp()
         with self._lock:
             self._rewind()
             hints = self._set_hints(question, route)
+            route = route.for_hints(len(hints)).for_document(self.prefix_cells)  # an automatic shortlist, once per answer
             route = route.reading_hints(self._hinted_regions(hints, route))
             route.apply(self.ctx)
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)

@@ -9,6 +9,7 @@ import inspect
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -65,7 +66,7 @@ def test_ask_help_shows_the_everyday_options_first_then_routing_then_prefill():
     assert {"--model", "--max-tokens", "--route", "--no-cache", "--ctx", "--threads"} <= set(shown["Options"])
     assert set(shown[ROUTING]) == ROUTING_OPTIONS
     assert set(shown[PREFILL]) == PREFILL_OPTIONS
-    assert "[default: 4]" in result.output  # defaults are shown
+    assert "[default: (4; a set of documents: 1)]" in result.output  # defaults are shown, a set's own too
 
 
 @pytest.mark.parametrize("command", ["tui", "eval", "bench"])
@@ -230,9 +231,30 @@ def test_the_option_groups_cover_the_cores_settings():
 
     from kvlocal.routing import PrefillConfig, RouteConfig
 
-    core = {f.name for f in dataclasses.fields(RouteConfig)} - {"mode", "seed"}
+    # the mode and seed are a command's own options; follows_set and unhinted say whether those options were given
+    core = {f.name for f in dataclasses.fields(RouteConfig)} - {"mode", "seed", "follows_set", "unhinted"}
     cli_names = {"question" if f.name == "question_pass" else f.name for f in dataclasses.fields(RouteOptions)}
     assert cli_names - {"centroid_block", "centroid_type"} == core  # the centroids are the session's
-    assert RouteOptions().config(RouteConfig().mode) == RouteConfig()
+    assert RouteOptions().config(RouteConfig().mode) == RouteConfig(follows_set=True)
     assert len(dataclasses.fields(PrefillOptions)) == len(dataclasses.fields(PrefillConfig)) - 1  # but the mode
     assert PrefillOptions().config(PrefillConfig().mode) == PrefillConfig()
+
+
+def test_a_set_route_follows_the_set_until_top_k_hints_or_the_question_pass_is_given():
+    """--top-k, --hints and --question-pass default to None: a route at its defaults follows the set
+    (RouteConfig.for_set: the library route over several documents); giving any of them takes the
+    route as given, the others at their single-document defaults."""
+    from kvlocal.route_settings import DEFAULT_QUESTION, DEFAULT_TOP_K, LIBRARY_HINTS, LIBRARY_QUESTION, LIBRARY_TOP_K
+
+    route = RouteOptions().config("geometric")
+    assert route.follows_set and (route.top_k, route.hints, route.question) == (DEFAULT_TOP_K, 0, DEFAULT_QUESTION)
+    assert route.for_set(1) == route
+    library = route.for_set(4)
+    assert (library.top_k, library.hints, library.question) == (LIBRARY_TOP_K, LIBRARY_HINTS, LIBRARY_QUESTION)
+    assert library.unhinted == replace(route, follows_set=False) and not library.follows_set
+    assert library.for_hints(0) == library.unhinted and library.for_hints(1) == replace(library, unhinted=None)
+    assert RouteOptions().config("full").for_set(4).mode == "full"
+    for given in ({"top_k": 4}, {"hints": 0}, {"question_pass": "dense"}):
+        tuned = RouteOptions(**given).config("geometric")
+        assert not tuned.follows_set and tuned.for_set(4) == tuned
+    assert "a set of documents: 1" in " ".join(run("ask", "--help").output.split())

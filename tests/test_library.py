@@ -329,3 +329,29 @@ def test_several_sequences_keep_centroids_in_one_stream_only(tiny_model, unified
         m.llama_free(ctx)
     finally:
         m.llama_model_free(model)
+
+
+def test_a_set_answers_with_its_own_route_unless_the_route_was_tuned(lib):
+    """A set of several documents with the route at its defaults (follows_set) takes the library route
+    of route_settings; a question whose words hint nowhere takes the defaults instead; one document, a
+    tuned route and full attention stay as given. The summary holds the route the answer took."""
+    from kvlocal.route_settings import LIBRARY_HINTS, LIBRARY_QUESTION, LIBRARY_TOP_K
+
+    lines = [f"row {i} holds {i * 5 % 89} coins." for i in range(40)]
+    lines[20] = "row 20 holds the zanzibar ledger code 4242."
+    Z = Document(" ".join(lines), "z.txt", "txt")
+    defaults = RouteConfig(follows_set=True)
+    lib.load_set([A, Z])
+    hinted = lib.answer("Which ledger code does Zanzibar hold?", route=defaults, max_tokens=2)
+    assert hinted.hint_cells and lib.document_at(hinted.hint_cells[0]).label == "z.txt"
+    assert (hinted.route.hints, hinted.route.question) == (LIBRARY_HINTS, LIBRARY_QUESTION)
+    assert LIBRARY_TOP_K <= hinted.route.top_k <= 2  # raised to the hinted regions where its sentence runs on
+    assert hinted.route.unhinted is None and not hinted.route.follows_set
+    plain = lib.answer("Which value?", route=defaults, max_tokens=2)  # no rare word: the defaults
+    assert plain.hint_cells == () and plain.route == RouteConfig().for_document(lib.prefix_cells)
+    tuned = RouteConfig(top_k=3)  # a route given on the command line is taken as it is
+    assert lib.answer("Which ledger code does Zanzibar hold?", route=tuned, max_tokens=1).route.top_k == 3
+    assert lib.answer(QUESTION, route=RouteConfig(mode="full", follows_set=True), max_tokens=1).route.mode == "full"
+    lib.load_set([Z])  # one document: the single-document defaults
+    alone = lib.answer("Which ledger code does Zanzibar hold?", route=defaults, max_tokens=1)
+    assert (alone.route.top_k, alone.route.hints, alone.route.question) == (4, 0, "dense")

@@ -517,7 +517,8 @@ def test_eval_library_runs_on_the_tiny_model_and_prints_the_table(library_run, t
     assert lines[0].startswith("| set | answered by | mode |") and "kvlocal:" not in result.stdout
     table = [line for line in lines if line.startswith("| 2 x 2k |")]
     assert [line.split(" | ")[1:3] for line in table[:3]] == [["the set (consecutive)", "full"],
-                                                            ["the set (consecutive)", "geometric top-4"],
+                                                            # the set's own route: no route option given
+                                                            ["the set (consecutive)", "geometric top-1 hints 1, question steps"],
                                                             ["its document alone", "full"]]
     assert all(line.split(" | ")[4] == "2" for line in table[:3])  # n: a fact in each of 2 documents
     assert re.search(r"^\| 2 x 2k \| [\d,]+ \| consecutive \| 1 \| [\d.]+ s \|  \|  \|$", result.stdout, re.M)

@@ -48,6 +48,7 @@ class FakeSession:
         self.answer_words = (answer or "The gauge at post seven read ninety one units.").split()
         self.tokens: list[str] = []
         self.n_prefix = 0
+        self.n_documents = 1  # documents the loaded prefix holds (Session.n_documents)
         self.saved: set[str] = set()
         self.asked: list[tuple[str, RouteConfig]] = []
         self.prefills: list[PrefillConfig] = []

@@ -134,7 +134,7 @@ class KvlocalApp(App[None]):
         self.session_factory = session_factory or default_session_factory(model, threads)
         self.session: Any = None
         self.document: LoadedDocument | None = None
-        self.route = route or RouteConfig()
+        self.route = route or RouteConfig(follows_set=True)  # the defaults: a set of documents takes its own route
         self.prefill = prefill or PrefillConfig()
         self.max_tokens = max_tokens
         self.busy: str | None = None  # "load" or "answer" while a worker runs
@@ -210,12 +210,18 @@ class KvlocalApp(App[None]):
     def counters(self) -> ReadCounters:
         return self.query_one("#counters", ReadCounters)
 
+    def _route_for_documents(self) -> RouteConfig:
+        """The route the next answer takes: a set of several documents has its own unless it was tuned."""
+        return self.route.for_set(self.session.n_documents if self.session is not None and self.document else 1)
+
     def _update_route_title(self) -> None:
-        r = self.route
+        r = self._route_for_documents()
         if r.mode == "full":
             budget = "dense attention"
         else:
             budget = f"k={r.top_k} × R{r.region} · sinks {r.sinks} · window {r.window}"
+            if r.hinted:
+                budget += f" · hints {r.hinted}"
         self.query_one("#heat-panel").border_title = f"KV reads · {r.mode} · {budget}"
 
     def _update_subtitle(self) -> None:
@@ -439,6 +445,7 @@ class KvlocalApp(App[None]):
 
     def _set_document(self, doc: LoadedDocument | None) -> None:
         self.document = doc
+        self._update_route_title()  # a set of several documents may route otherwise
         self._region_text.clear()
         self.shown_entry = None
         self.log_widget.mark_selected(None)
@@ -486,7 +493,7 @@ class KvlocalApp(App[None]):
             return False
         self.last_question = question
         entry_id = next(self._entry_ids)
-        route = self.route
+        route = self._route_for_documents()
         entry = self.log_widget.add_entry(entry_id, question, route)
         self.live_entry = entry
         self.live = LiveAnswer(self.session.n_layer, self.document.n_ctx, self._prefix_cells(), route.region)
@@ -710,13 +717,13 @@ class KvlocalApp(App[None]):
         else:
             smaller = [s for s in TOP_K_STEPS if s < k]
             k = smaller[-1] if smaller else k
-        self.route = replace(self.route, top_k=k)
+        self.route = replace(self._route_for_documents(), top_k=k, follows_set=False, unhinted=None)
         self._route_changed()
 
     def _route_changed(self) -> None:
         self._update_route_title()
         hint = " · f5 asks the last question again" if self.last_question else ""
-        self.notify(f"route: {self.route.describe()}{hint}", timeout=3)
+        self.notify(f"route: {self._route_for_documents().describe()}{hint}", timeout=3)
 
     def action_reask(self) -> None:
         if self.last_question is None:

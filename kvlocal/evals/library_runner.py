@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvlocal.errors import ContextOverflowError, UsageError
 from kvlocal.ingest import Document
 from kvlocal.evals.library_cases import TASK, SetCase, build_set_case
-from kvlocal.evals.runner import append_row, haystack_tokens, hint_rule, task_answer_tokens
+from kvlocal.evals.runner import append_row, haystack_tokens, hint_rule, route_fields, task_answer_tokens
 from kvlocal.evals.tasks import score
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.library import Library
@@ -45,8 +45,9 @@ class LibraryConfig:
     sets_per_seed: int = 1  # disjoint sets of n_documents drawn from each seed's documents
     paraphrase: bool = False  # ask each fact in other words (the documents stay the same)
 
-    def route_of(self, mode: str) -> RouteConfig:
-        route = replace(self.route, mode=mode)
+    def route_of(self, mode: str, n_documents: int = 1) -> RouteConfig:
+        """`mode`'s route over `n_documents` documents (a set's own route where the settings follow the set)."""
+        route = replace(self.route, mode=mode).for_set(n_documents)
         return replace(route, pin=route.pins, hints=route.hinted)
 
     @property
@@ -111,8 +112,10 @@ def run_library(
                 "questions": "paraphrased" if config.paraphrase else "template"}
 
         def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, RouteConfig]]:
-            return [(i, route) for i in probes for route in (config.route_of(m) for m in modes)
-                    if answer_key({**base, **_route_fields(route), "probe": i, "reference": reference}) not in done]
+            n_documents = 1 if reference == ALONE else config.n_documents  # the concatenation: the set's route
+            return [(i, route) for i in probes for route in (config.route_of(m, n_documents) for m in modes)
+                    if answer_key({**base, **_route_fields(route), "hint_rule": HINT_RULE if route.hinted else "",
+                                   "probe": i, "reference": reference}) not in done]
 
         def record(row: dict) -> None:
             append_row(out, row)
@@ -180,7 +183,7 @@ def _load_set(session: Library, case: SetCase, config: LibraryConfig, base: dict
 
 
 def _route_fields(route: RouteConfig) -> dict:
-    return {k: v for k, v in asdict(route).items() if k != "seed"}
+    return route_fields(route)
 
 
 def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config: LibraryConfig, base: dict,

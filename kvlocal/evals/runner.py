@@ -98,6 +98,12 @@ def answer_tokens(config: GridConfig, task: str) -> int:
 BLOCK_BEFORE_RECORDED = 16
 
 
+def route_fields(route: RouteConfig) -> dict:
+    """A route's settings as a result row holds them (not its seed, nor how it follows a set: a set's
+    rows hold the route it resolved to)."""
+    return {k: v for k, v in asdict(route).items() if k not in ("seed", "follows_set", "unhinted")}
+
+
 def block(row: dict) -> int:
     """The row's centroid block."""
     return row.get("centroid_block", BLOCK_BEFORE_RECORDED)
@@ -231,7 +237,7 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "probe": index,
         "depth": probe.depth,
         "haystack": haystack_name,
-        **{k: v for k, v in asdict(route).items() if k != "seed"},
+        **route_fields(route),
         "hint_rule": HINT_RULE if route.hints else "",
         "hint_cells": list(summary.hint_cells),
         "top_k_read": summary.route.top_k,  # top_k, raised to the hinted regions where they are more
