@@ -918,7 +918,8 @@ def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: P
         "library": [{"n_documents": r.n_documents, "length": r.length, "n_cells": r.n_cells, "layout": r.layout,
                      "ready_s": r.ready_s, "kv_bytes": r.kv_bytes, "full_tps": r.runs["full"].rate,
                      "geometric_tps": r.runs["geometric"].rate, "speedup": r.speedup,
-                     "bytes_reduction": r.runs["geometric"].bytes_dense / max(1, r.runs["geometric"].bytes_read)}
+                     "bytes_reduction": r.runs["geometric"].bytes_dense / max(1, r.runs["geometric"].bytes_read),
+                     "geometric_route": r.runs["geometric"].route}
                     for r in results],
         "peak_rss_bytes": b.peak_rss_bytes(),
     }
@@ -931,6 +932,9 @@ def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: P
         print(f"| {r['n_documents']} x {r['length'] // 1024}k | {r['n_cells']:,} | {r['layout']} | {human_bytes(r['kv_bytes'])} "
               f"| {r['ready_s']:.1f} s | {r['full_tps']:.2f} | {r['geometric_tps']:.2f} | {r['speedup']:.2f}x "
               f"| {r['bytes_reduction']:.1f}x |")
+    for r in report["library"]:
+        if r["geometric_route"] != report["route"]:
+            print(f"geometric over {r['n_documents']} documents took the route {r['geometric_route']}")
     print(f"peak RSS: {human_bytes(report['peak_rss_bytes'])}")
     if out:
         write_text_atomic(out, json.dumps(report, indent=2))

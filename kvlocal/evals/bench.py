@@ -23,6 +23,7 @@ class DecodeRun:
     seconds: float
     bytes_read: int
     bytes_dense: int
+    route: str = ""  # the route the answer took (a set of documents may take its own: RouteConfig.for_set)
 
     @property
     def rate(self) -> float:
@@ -53,7 +54,7 @@ def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, 
     for _ in range(repeats):
         summary = session.answer(question, route=route, max_tokens=n_tokens)
         run = DecodeRun(route.mode, summary.n_answer_tokens, summary.decode_seconds,
-                        summary.bytes_read, summary.bytes_dense)
+                        summary.bytes_read, summary.bytes_dense, summary.route.describe())
         if best is None or run.rate > best.rate:
             best = run
     return best
