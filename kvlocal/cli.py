@@ -51,6 +51,7 @@ from kvlocal.route_settings import (
     DEFAULT_SINKS as SINKS,
     DEFAULT_WINDOW as WINDOW,
     MAX_ANSWER_TOKENS,
+    MAX_SEED,
     MAX_CTX,
     MAX_TOP_K,
 )
@@ -828,6 +829,7 @@ def bench(
     prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", rich_help_panel=PREFILL, help="Lengths prefilled twice, dense then routed, neither from the cache; none: skip (32k dense: ~30 min on 2 cores).")] = "8k,16k,32k",
     prefilling: PrefillOptions = PrefillOptions(),
     library: LibraryOpt = "",
+    library_seed: Annotated[int, typer.Option("--library-seed", min=0, max=MAX_SEED, rich_help_panel=LIBRARY, help="With --library: the seed of the sets' documents (`kvlocal eval --library --seeds`: a set evaluated there opens from the cache).")] = 0,
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
     import json
@@ -839,7 +841,7 @@ def bench(
 
     route = routing.config("geometric")
     if library.strip():
-        _bench_library(library, lengths, tokens, model, threads, out, routing, route)
+        _bench_library(library, lengths, tokens, model, threads, out, routing, route, library_seed)
         return
     context_lengths = _lengths(lengths)
     prefill_context = [] if prefill_lengths.strip().lower() == "none" else _lengths(prefill_lengths)
@@ -893,7 +895,8 @@ def bench(
         write_text_atomic(out, json.dumps(report, indent=2))
 
 
-def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: Path | None, routing, route) -> None:
+def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: Path | None, routing, route,
+                   seed: int = 0) -> None:
     import json
 
     from kvlocal.atomic import write_text_atomic
@@ -912,9 +915,10 @@ def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: P
     session.check_composable()
     _check_lengths_fit(session, length_list)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
-    results = b.bench_library(session, size_list, length_list[0], route, n_tokens=tokens, log=log)
+    results = b.bench_library(session, size_list, length_list[0], route, n_tokens=tokens, seed=seed, log=log)
     report = {
         "model": session.model.alias or str(session.model.path), "threads": session.threads, "route": route.describe(),
+        "seed": seed,
         "library": [{"n_documents": r.n_documents, "length": r.length, "n_cells": r.n_cells, "layout": r.layout,
                      "ready_s": r.ready_s, "kv_bytes": r.kv_bytes, "full_tps": r.runs["full"].rate,
                      "geometric_tps": r.runs["geometric"].rate, "speedup": r.speedup,

@@ -547,6 +547,7 @@ def test_bench_library_readies_the_set_from_the_cache_and_decodes_full_and_geome
     assert entry["speedup"] == pytest.approx(entry["geometric_tps"] / entry["full_tps"])
     assert entry["bytes_reduction"] > 1  # geometric read fewer bytes than the dense baseline
     assert entry["geometric_route"].startswith("geometric: top-")  # the route the set's answer took, in words
+    assert report["seed"] == 0  # --library-seed: the eval's seed-0 set
     assert re.search(r"^\| 2 x 2k \| [\d,]+ \| consecutive \|", result.stdout, re.M)
     assert run("bench", "--library", "2", "--lengths", "2k,4k", "--model", str(tiny_model)).exit_code == 2
 

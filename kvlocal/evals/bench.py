@@ -173,14 +173,14 @@ class SetBench:
 
 
 def bench_library(session, sizes: list[int], length: int, route: RouteConfig, *, n_tokens: int = 48,
-                  repeats: int = 1, log: Callable[[str], None] = print) -> list[SetBench]:
-    """For each set size: the eval's seed-0 library set (`kvlocal eval --library`), its missing bodies
+                  repeats: int = 1, seed: int = 0, log: Callable[[str], None] = print) -> list[SetBench]:
+    """For each set size: the eval's library set of `seed` (`kvlocal eval --library`), its missing bodies
     prefilled and cached first, then readied from the cache in a fresh context and decoded."""
     from kvlocal.evals.library_runner import LibraryConfig, make_set_case
 
     results = []
     for n in sizes:
-        case = make_set_case(session, LibraryConfig(n, [length], [0], ["full"]), length, 0, None)
+        case = make_set_case(session, LibraryConfig(n, [length], [seed], ["full"]), length, seed, None)
         first = session.load_set(case.documents, log=log)
         if first.cache_hits < len(first.documents):
             log(f"bench library {n}: {len(first.documents) - first.cache_hits} bodies prefilled and cached")
