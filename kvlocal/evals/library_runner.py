@@ -114,8 +114,7 @@ def run_library(
         def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, RouteConfig]]:
             n_documents = 1 if reference == ALONE else config.n_documents  # the concatenation: the set's route
             return [(i, route) for i in probes for route in (config.route_of(m, n_documents) for m in modes)
-                    if answer_key({**base, **_route_fields(route), "hint_rule": HINT_RULE if route.hinted else "",
-                                   "probe": i, "reference": reference}) not in done]
+                    if answer_key({**base, **_route_fields(route), "probe": i, "reference": reference}) not in done]
 
         def record(row: dict) -> None:
             append_row(out, row)
@@ -183,7 +182,8 @@ def _load_set(session: Library, case: SetCase, config: LibraryConfig, base: dict
 
 
 def _route_fields(route: RouteConfig) -> dict:
-    return route_fields(route)
+    """The route's part of an answer row, and of the key a rerun finds it by: its settings and hint rule."""
+    return {**route_fields(route), "hint_rule": HINT_RULE if route.hinted else ""}
 
 
 def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config: LibraryConfig, base: dict,
@@ -200,7 +200,7 @@ def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config
     own = case.documents[fact_document].source
     fact_share = (tally.documents[labels.index(own)] / in_docs) if in_docs and own in labels else None
     row = {
-        "kind": "answer", **base, **_route_fields(route), "hint_rule": HINT_RULE if route.hinted else "",
+        "kind": "answer", **base, **_route_fields(route),
         "probe": index, "document": fact_document, "depth": probe.depth,
         "score": score(probe, summary.text), "answer": summary.text.strip(), "expected": list(probe.answers),
         "decode_tps": summary.decode_rate, "steps": summary.steps,
