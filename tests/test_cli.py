@@ -303,6 +303,18 @@ def test_bench_reports_speed_ttft_and_upkeep(cache_dir, tiny_model, tmp_path):
     assert "| geometric tok/s |" in result.stdout and "centroid upkeep" in result.stdout
 
 
+def test_bench_without_ttft_prefills_nothing_past_its_lengths(cache_dir, tiny_model, tmp_path):
+    # the Vulkan check decodes a state the CPU saved: a slow device must not prefill the 4k document
+    out = tmp_path / "bench.json"
+    result = run("bench", "--model", str(tiny_model), "--lengths", "2k", "--tokens", "2", "--top-k", "2",
+                 "--centroid-block", "32", "--prefill-lengths", "none", "--no-upkeep", "--no-ttft", "--out", str(out))
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["ttft_fresh_s"] is None and report["ttft_cached_s"] is None and "centroid_upkeep" not in report
+    assert "time to first token" not in result.stdout and "| geometric tok/s |" in result.stdout
+    assert len(list((cache_dir / "states").glob("*.kvstate"))) == 1  # the 2k haystack's, and no 4k document
+
+
 @pytest.mark.parametrize("seed", [0, 4, 5])
 def test_haystacks_at_the_trained_context_leave_room_for_the_answer(cache_dir, tmp_path, seed):
     # with the tiny models' tokenizer, seeds 4 and 5 overshot a 32k target past the trained context

@@ -174,14 +174,18 @@ def test_questions_in_a_row_answer_as_fresh_sessions_and_the_state_round_trips(q
     text = " ".join(f"entry {i}: the value is {i * 7 % 101}." for i in range(90))
     questions = ["which value?", "hello world?", "which value?"]
     route = RouteConfig(mode=mode, top_k=2, region=64)
-    loaded, in_a_row = session_answers(qwen35_model, text, questions, tmp_path / "a", monkeypatch, route)
+    cache = tmp_path / "cache"
+    loaded, in_a_row = session_answers(qwen35_model, text, questions, cache, monkeypatch, route)
     assert not loaded.cache_hit and loaded.saved
-    fresh = [session_answers(qwen35_model, text, [q], tmp_path / f"fresh{i}", monkeypatch, route)[1][0]
-             for i, q in enumerate(questions)]
-    assert [a.text for a in in_a_row] == [a.text for a in fresh]
+    # one prefill: each fresh session opens the state saved before any question (on a slow device, such as
+    # lavapipe in .ci/vulkan-check, the prefill is what costs)
+    fresh = [session_answers(qwen35_model, text, [q], cache, monkeypatch, route) for q in questions]
+    assert all(reopened.cache_hit for reopened, _ in fresh)
+    assert [a.text for a in in_a_row] == [answers[0].text for _, answers in fresh]
+    assert [a.rows_read for a in in_a_row] == [answers[0].rows_read for _, answers in fresh]
     assert in_a_row[0].text == in_a_row[2].text and in_a_row[0].rows_read == in_a_row[2].rows_read
-    # the saved state (attention cells and recurrent state) answers as the prefilled one did
-    reloaded, again = session_answers(qwen35_model, text, questions, tmp_path / "a", monkeypatch, route)
+    # the saved state (attention cells and recurrent state) answers in a row as the prefilled one did
+    reloaded, again = session_answers(qwen35_model, text, questions, cache, monkeypatch, route)
     assert reloaded.cache_hit
     assert [a.text for a in again] == [a.text for a in in_a_row]
     assert [a.rows_read for a in again] == [a.rows_read for a in in_a_row]

@@ -1,5 +1,6 @@
 # Not a test: where the default model's pin-writing question graph and the routed step after it ran, node by
-# node (BENCHMARKS.md section 8). Run with GGML_VK_VISIBLE_DEVICES=0 .venv-vulkan/bin/python tests/vulkan_split_count.py
+# node (BENCHMARKS.md section 8); exits 1 if a routed node ran off the GPU device. Step 6 of
+# .ci/vulkan-check runs it; by hand: GGML_VK_VISIBLE_DEVICES=0 .venv-vulkan/bin/python tests/vulkan_split_count.py
 # (about 7 minutes on 2 cores through lavapipe, most of it the 640-token prefill).
 import sys
 from collections import Counter
@@ -10,11 +11,19 @@ from test_gpu_ops import F16, LAYOUT_OPS, backend_runs, record_decode_graph  # n
 from kvlocal.models import DEFAULT_ALIAS, model_path  # noqa: E402
 from kvlocal.routing import RouteConfig  # noqa: E402
 
+DEVICE = sys.argv[1] if len(sys.argv) > 1 else "Vulkan0"
 route = RouteConfig(mode="geometric", top_k=2, region=64, keep=0.9, pin=2)
 nodes = record_decode_graph(model_path(DEFAULT_ALIAS), F16, route, n_doc=640, question=9)
-routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent"))]
+routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent")) and n["op"] not in LAYOUT_OPS]
+routed_elsewhere = sorted({(n["op"], n["name"], n["buffer"]) for n in routed if n["buffer"] != DEVICE})
+runs = backend_runs(nodes)
 print(f"{len(nodes)} nodes by buffer: {dict(Counter(n['buffer'] for n in nodes))}")
-print(f"routed nodes by buffer: {dict(Counter(n['buffer'] for n in routed))}")
-print(f"backend runs (a change of backend is a split): {backend_runs(nodes)}")
-print("computed off Vulkan0:", [(n["op"], n["name"]) for n in nodes
-                                if n["op"] not in LAYOUT_OPS and n["buffer"] and n["buffer"] != "Vulkan0"])
+print(f"routed nodes (computed) by buffer: {dict(Counter(n['buffer'] for n in routed))}")
+print(f"backend runs (a change of backend is a split; two graphs): {runs}")
+print(f"computed off {DEVICE}:", sorted({(n["op"], n["name"]) for n in nodes
+                                        if n["op"] not in LAYOUT_OPS and n["buffer"] and n["buffer"] != DEVICE}))
+if not routed:
+    sys.exit("no routed node was recorded: the step did not take the routed path")
+if routed_elsewhere:
+    sys.exit(f"routed nodes ran off {DEVICE}: {routed_elsewhere}")
+print(f"all {len(routed)} routed nodes ran on {DEVICE}")
