@@ -854,7 +854,7 @@ def bench(
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log)
     prefills = b.bench_prefill(session, prefill_context, prefill_cfg, log=log)
-    small = make_case(session, "passkey", 4096, [0.5], 1)
+    small = make_case(session, "passkey", 4096, [0.5], 1) if ttft or upkeep else None  # the 4k document
     first_token = (b.time_to_first_token(session, small.text, route, small.probes[0].question) if ttft
                    else {"fresh": None, "cached": None})
     report = {

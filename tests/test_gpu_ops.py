@@ -207,6 +207,11 @@ def test_routed_graph_nodes_are_supported_on_cuda_and_metal(models, kv_type, cen
     assert not bad_metal, f"nodes Metal would not run: {bad_metal}"
 
 
+def routed_nodes(nodes: list[dict]) -> list[dict]:
+    """The nodes kvlocal's routing computes (its names; views and reshapes left out)."""
+    return [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent")) and n["op"] not in LAYOUT_OPS]
+
+
 def backend_runs(nodes: list[dict]) -> list[tuple[str, int]]:
     """The computed nodes' buffers in the order the scheduler ran them, as (buffer, nodes) runs: one
     run per backend change, which is what a scheduler split costs (a copy and a synchronisation)."""
@@ -229,7 +234,7 @@ def test_routed_nodes_run_where_their_layer_runs(models, arch, mode):
     nodes = record_decode_graph(models[arch], F16, RouteConfig(mode=mode, top_k=3, region=64))
     layer_buffers = {n["buffer"] for n in nodes if n["op"] == "MUL_MAT" and n["name"].startswith("Qcur")}
     assert len(layer_buffers) == 1, f"the attention layers ran on several buffers: {layer_buffers}"
-    routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent")) and n["op"] not in LAYOUT_OPS]
+    routed = routed_nodes(nodes)
     assert routed, "the decode step did not take the routed path"
     elsewhere = sorted({(n["op"], n["name"], n["buffer"]) for n in routed if n["buffer"] not in layer_buffers})
     runs = backend_runs(nodes)
