@@ -43,7 +43,6 @@ from kvlocal.cli_options import (
 from kvlocal.errors import KvlocalError
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK,
-    DEFAULT_CENTROID_TYPE,
     DEFAULT_MODE,
     DEFAULT_PREFILL,
     DEFAULT_PREFILL_FROM as PREFILL_FROM,
@@ -130,8 +129,9 @@ def _check_lengths_fit(session, lengths: list[int]) -> None:
 
 
 def _open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_BLOCK,
-                  centroid_type=DEFAULT_CENTROID_TYPE, *, library=False):
-    """The session of `model` (a Library, which also loads sets of documents, with `library`)."""
+                  centroid_type=None, *, library=False):
+    """The session of `model` (a Library, which also loads sets of documents, with `library`); centroids of
+    `centroid_type`, or (None) the type of the model's route."""
     from kvlocal.progress import StatusLine, download_text
     from kvlocal.session import Session
 
@@ -300,6 +300,7 @@ def demo(
 def models() -> None:
     """List the model aliases, their packages and whether they are installed."""
     from kvlocal.models import ALIASES, DEFAULT_ALIAS, model_status
+    from kvlocal.route_settings import MODEL_ROUTES, model_route
     from kvlocal.units import human_bytes
 
     for alias, spec in ALIASES.items():
@@ -308,6 +309,8 @@ def models() -> None:
         print(f"  {spec.description}")
         print(f"  {len(spec.packages)} packages {spec.packages[0]} … =={spec.version}, {human_bytes(spec.size)}")
         print(f"  sha256 {spec.sha256}")
+        calibrated = "calibrated" if spec.sha256 in MODEL_ROUTES else "not calibrated, the uniform route"
+        print(f"  route: {model_route(spec.sha256).describe()} ({calibrated})")
         print(f"  status: {model_status(alias)}")
 
 
@@ -858,7 +861,8 @@ def bench(
     first_token = (b.time_to_first_token(session, small.text, route, small.probes[0].question) if ttft
                    else {"fresh": None, "cached": None})
     report = {
-        "model": session.model.alias or str(session.model.path), "threads": session.threads, "route": route.describe(),
+        "model": session.model.alias or str(session.model.path), "threads": session.threads,
+        "route": session.route_for(route).describe(),
         "lengths": [{"length": r.length, "n_tokens": r.n_tokens, "kv_bytes": r.kv_bytes,
                      "full_tps": r.runs["full"].rate, "geometric_tps": r.runs["geometric"].rate,
                      "speedup": r.speedup,
@@ -920,7 +924,8 @@ def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: P
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_library(session, size_list, length_list[0], route, n_tokens=tokens, seed=seed, log=log)
     report = {
-        "model": session.model.alias or str(session.model.path), "threads": session.threads, "route": route.describe(),
+        "model": session.model.alias or str(session.model.path), "threads": session.threads,
+        "route": session.route_for(route).describe(),
         "seed": seed,
         "library": [{"n_documents": r.n_documents, "length": r.length, "n_cells": r.n_cells, "layout": r.layout,
                      "ready_s": r.ready_s, "kv_bytes": r.kv_bytes, "full_tps": r.runs["full"].rate,

@@ -117,9 +117,13 @@ def _shortlist_value(text: str) -> int:
 
 
 TopKOpt = Annotated[Optional[int], typer.Option(
-    "--top-k", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING, show_default=f"{DEFAULT_TOP_K}; a set of documents: {LIBRARY_TOP_K}",
-    help="Regions each step reads per layer and KV head, besides the sinks and the window. A set of several "
-    "documents answers with its own route (--top-k 1 --hints 1 --question-pass steps) unless one of the three is given.")]
+    "--top-k", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
+    show_default=f"the model's route, else {DEFAULT_TOP_K}; a set of documents: {LIBRARY_TOP_K}",
+    help="Regions each step reads per layer and KV head, besides the sinks and the window. A model with a "
+    "calibrated route (the default model; `kvlocal models` shows it) reads its own budget unless --top-k or "
+    "--layer-top-k is given. A set "
+    "of several documents answers with its own route (--top-k 1 --hints 1 --question-pass steps) unless one of "
+    "those three is given.")]
 RegionOpt = Annotated[int, typer.Option(
     "--region", min=1, max=MAX_REGION, rich_help_panel=ROUTING, help=f"Tokens per region: a power of two up to {MAX_REGION}.")]
 WindowOpt = Annotated[int, typer.Option(
@@ -130,7 +134,7 @@ ShortlistOpt = Annotated[int, typer.Option(
     "--shortlist", parser=_shortlist_value, metavar="N|auto", rich_help_panel=ROUTING,
     show_default="auto" if DEFAULT_SHORTLIST == SHORTLIST_AUTO else str(DEFAULT_SHORTLIST),
     help="Regions a coarse pass shortlists for the fine centroids to choose from; auto: an eighth of the "
-    "document's; 0: one pass over every fine centroid.")]
+    "document's (at least the floor of the model's route); 0: one pass over every fine centroid.")]
 KeepOpt = Annotated[float, typer.Option(
     "--keep", min=0.0, max=0.999, rich_help_panel=ROUTING,
     help="Share of its last score a region keeps at the next step (0: choose afresh).")]
@@ -143,15 +147,16 @@ HintsOpt = Annotated[Optional[int], typer.Option(
     "routing; 0: none): the word's region, and the next where its sentence runs on (top-k is raised to fit). "
     "Helps facts that differ from their look-alikes in one word; with --top-k 1 --question-pass steps a step "
     "reads the hinted sentence and nothing else beside the sinks and window.")]
-LayerTopKOpt = Annotated[str, typer.Option(
-    "--layer-top-k", metavar="LAYERS=K,...", rich_help_panel=ROUTING,
+LayerTopKOpt = Annotated[Optional[str], typer.Option(
+    "--layer-top-k", metavar="LAYERS=K,...", rich_help_panel=ROUTING, show_default="the model's route, else none",
     help="Regions some layers read per step instead of --top-k, e.g. 16-23=8 (layers 16 to 23 read 8, the "
-    "others --top-k); the controls read as many per layer.")]
+    "others --top-k); the controls read as many per layer. '' gives every layer --top-k.")]
 CentroidBlockOpt = Annotated[int, typer.Option(
     "--centroid-block", min=0, max=max(CENTROID_BLOCKS), rich_help_panel=ROUTING,
     help="Tokens per key centroid (0: none, every step reads densely).")]
-CentroidTypeOpt = Annotated[str, typer.Option(
-    "--centroid-type", rich_help_panel=ROUTING, help="Type of the key centroids: f16, or q8_0 (about half the bytes).")]
+CentroidTypeOpt = Annotated[Optional[str], typer.Option(
+    "--centroid-type", rich_help_panel=ROUTING, show_default=f"the model's route, else {DEFAULT_CENTROID_TYPE}",
+    help="Type of the key centroids: f16, or q8_0 (about half the bytes).")]
 QuestionPassOpt = Annotated[Optional[str], typer.Option(
     "--question-pass", rich_help_panel=ROUTING, show_default=f"{DEFAULT_QUESTION}; a set of documents: {LIBRARY_QUESTION}",
     help="How the question reads the document: dense (once, all of it), routed (once, --question-top-k "
@@ -173,7 +178,7 @@ PrefillUbatchOpt = Annotated[int, typer.Option(
 class RouteOptions:
     """The decode route's tuning and the key centroids it scores regions by (the session keeps them)."""
 
-    top_k: TopKOpt = None  # None: DEFAULT_TOP_K, or the library route's on a set (with hints and question_pass)
+    top_k: TopKOpt = None  # None: the model's route, or the library route's on a set (with hints and question_pass)
     region: RegionOpt = DEFAULT_REGION
     window: WindowOpt = DEFAULT_WINDOW
     sinks: SinksOpt = DEFAULT_SINKS
@@ -181,9 +186,9 @@ class RouteOptions:
     keep: KeepOpt = DEFAULT_KEEP
     pin: PinOpt = DEFAULT_PIN
     hints: HintsOpt = None
-    layer_top_k: LayerTopKOpt = DEFAULT_LAYER_TOP_K
+    layer_top_k: LayerTopKOpt = None  # None: the model's route
     centroid_block: CentroidBlockOpt = DEFAULT_CENTROID_BLOCK
-    centroid_type: CentroidTypeOpt = DEFAULT_CENTROID_TYPE
+    centroid_type: CentroidTypeOpt = None  # None: the model's route
     question_pass: QuestionPassOpt = None
     question_top_k: QuestionTopKOpt = DEFAULT_QUESTION_TOP_K
 
@@ -196,10 +201,13 @@ class RouteOptions:
         route = RouteConfig(mode=mode, region=self.region, top_k=_or(self.top_k, DEFAULT_TOP_K), window=self.window,
                             sinks=self.sinks, seed=seed, shortlist=self.shortlist, keep=self.keep,
                             question=_or(self.question_pass, DEFAULT_QUESTION), question_top_k=self.question_top_k,
-                            pin=self.pin, hints=_or(self.hints, DEFAULT_HINTS), layer_top_k=self.layer_top_k,
-                            follows_set=all(value is None for value in given))
+                            pin=self.pin, hints=_or(self.hints, DEFAULT_HINTS),
+                            layer_top_k=_or(self.layer_top_k, DEFAULT_LAYER_TOP_K),
+                            follows_set=all(value is None for value in given),
+                            follows_model=self.top_k is None and self.layer_top_k is None)
         check_region_block(self.region, self.centroid_block)
-        check_centroid_type(self.centroid_type)
+        if self.centroid_type is not None:
+            check_centroid_type(self.centroid_type)
         return route
 
 

@@ -153,8 +153,8 @@ class Library(Session):
         from kvlocal.docset import check_kv_limit, estimate_kv
 
         if len(documents) > 1:
-            check_kv_limit(estimate_kv(list(documents), self.model.info, self.kv_type,
-                                       centroid_block=self.centroid_block, centroid_type=self.centroid_type), max_kv)
+            check_kv_limit(estimate_kv(list(documents), self.model.info, self.kv_type, centroid_block=self.centroid_block,
+                                       centroid_type=self.centroid_type_for(len(documents))), max_kv)
 
 
     def load_set(
@@ -256,6 +256,7 @@ class Library(Session):
         # 2. the set's context: head, then each body staged into place, then the middle
         ready_start = time.perf_counter()
         self.llm = None
+        self.centroid_type = self.centroid_type_for(len(documents))
         self.llm = self._new_llama(n_ctx=n_ctx, n_seq_max=2)
         module = llama_cpp()
         mem = module.llama_get_memory(self.ctx)

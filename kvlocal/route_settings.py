@@ -8,14 +8,15 @@ and TUI all read these names.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 # routing modes: geometric is kvlocal's routing, full the dense reference, window and random the controls
 MODES = ("full", "geometric", "window", "random")
 DEFAULT_MODE = "geometric"
 
-# regions routed per layer and KV head. 4: top-2 lost look-alike facts at 16k and 32k, and top-8
-# found no more than top-4 (BENCHMARKS.md, "The default route against full attention and the
-# controls")
+# regions routed per layer and KV head by a model without a calibrated route (MODEL_ROUTES below:
+# the default model has one). 4: top-2 lost look-alike facts at 16k and 32k, and top-8 found no more
+# than top-4 (BENCHMARKS.md, "The default route against full attention and the controls")
 DEFAULT_TOP_K = 4
 DEFAULT_REGION = 64  # tokens per region (the unit gathered)
 DEFAULT_WINDOW = 128  # recent tokens always read (rounded up to regions)
@@ -30,10 +31,12 @@ CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 8
 
 # The type the centroids are kept in (llama_context_params.kv_centroid_type): f16, or q8_0 at 34
-# bytes per 32 values instead of 64, so a routed step's centroid scan costs about half. f16 by
-# default: q8_0 at the same shortlist found the same 32k needles and look-alike facts (18 of 27,
-# 6 of 24) at 43x fewer KV bytes per answer step instead of 33x, but one fact fewer at 16k and at
-# 8k (near-copies), so it is not shown to answer as well (BENCHMARKS.md, "Q8_0 centroids").
+# bytes per 32 values instead of 64, so a routed step's centroid scan costs about half. f16 for a
+# model without a calibrated route: on the uniform top-4 route q8_0 at the same shortlist found the
+# same 32k needles and look-alike facts (18 of 27, 6 of 24) at 43x fewer KV bytes per answer step
+# instead of 33x, but one fact fewer at 16k and at 8k (near-copies) (BENCHMARKS.md, "Q8_0
+# centroids"). The default model's route keeps q8_0 centroids: the bytes it saves pay for a wider
+# shortlist (MODEL_ROUTES).
 CENTROID_TYPES = ("f16", "q8_0")
 DEFAULT_CENTROID_TYPE = "f16"
 
@@ -84,7 +87,8 @@ DEFAULT_PIN = 2
 # Budgets per layer: "16-23=8" makes layers 16 to 23 route 8 regions at each single-token step and
 # the others top-k (llama_kv_route_set_layer_top_k). The routing lab found the look-alike fact lost
 # mostly in the last third of the default model's layers (BENCHMARKS.md section 6), so the same bytes
-# may buy more there; off by default until it is measured end to end.
+# buy more there; layer numbers are a model's own, so a budget per layer is part of a model's route
+# (MODEL_ROUTES below), and none for a model without one.
 DEFAULT_LAYER_TOP_K = ""
 
 
@@ -106,6 +110,53 @@ def parse_layer_top_k(spec: str) -> tuple[tuple[int, int, int], ...]:
         parts.append((first_i, last_i, k_i))
     return tuple(parts)
 
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """The decode route's budget as calibrated for one model: what a geometric route (and the controls,
+    at the same budget) reads when --top-k and --layer-top-k are not given, and the type the session
+    keeps its centroids in when --centroid-type is not given. `shortlist_floor`: the automatic
+    shortlist is at least this many regions."""
+
+    top_k: int = DEFAULT_TOP_K
+    layer_top_k: str = DEFAULT_LAYER_TOP_K
+    centroid_type: str = DEFAULT_CENTROID_TYPE
+    shortlist_floor: int = 0
+
+    def describe(self) -> str:
+        text = f"top-{self.top_k}"
+        if self.layer_top_k:
+            text += f", layers {self.layer_top_k}"
+        text += f", {self.centroid_type} centroids"
+        if self.shortlist_floor:
+            text += f", shortlist at least {self.shortlist_floor}"
+        return text
+
+
+# A model without a calibrated route: the uniform route above.
+UNCALIBRATED_ROUTE = ModelRoute()
+
+# Calibrated routes, by the model file's sha256 (so a local copy of a registry model gets its route
+# too). Qwen2.5 Coder 1.5B Q4_K_M (the default model, 28 layers): the routing lab found the one-key
+# fact lost in layers 19-23 (BENCHMARKS.md section 6, "Where the default route loses the fact"); top-3
+# with 8 regions in those layers, Q8_0 centroids (half the scan's bytes) and a shortlist of at least 48
+# holds one-key look-alike facts within 5 points of full attention on generated prose and on GPL-3 at
+# 8k and 16k (75-88 % at 12.6-12.9x, 42-46 % at 25.1x; n=24 each) where the uniform top-4 route lost up
+# to 17 points on GPL-3 at 8k, and answers the look-alike task (81 % at 8k, n=48) and the 32k passkey
+# grid (70 %, n=27, at 43x instead of 32x) as the uniform route does (BENCHMARKS.md section 6, "A budget
+# per layer, end to end").
+MODEL_ROUTES: dict[str, ModelRoute] = {
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046": ModelRoute(
+        top_k=3, layer_top_k="19-23=8", centroid_type="q8_0", shortlist_floor=48),
+}
+
+
+def model_route(sha256: str | None) -> ModelRoute:
+    """The route calibrated for the model file with this sha256, or the uniform route."""
+    return MODEL_ROUTES.get(sha256 or "", UNCALIBRATED_ROUTE)
+
+
 # Text hints (kvlocal/hints.py): geometric routing also reads the HINTS regions whose text shares the
 # question's rarest words (with the tokens that follow the word), in place of as many of its top-k
 # choices. Off by default: measured on look-alike facts only so far (BENCHMARKS.md section 7).
@@ -124,6 +175,10 @@ DEFAULT_HINTS = 0
 LIBRARY_TOP_K = 1
 LIBRARY_HINTS = 1
 LIBRARY_QUESTION = "steps"
+# A set's context keeps its centroids in this type unless --centroid-type is given, whatever the model's
+# route says: the set's route was measured with F16 centroids (the single-document route of the
+# default model with Q8_0 ones).
+LIBRARY_CENTROID_TYPE = "f16"
 
 # How a document is prefilled: "dense" reads every earlier cell for every ubatch; "routed" lets a
 # ubatch that starts PREFILL_FROM or more tokens into the document read the sinks, the window before

@@ -42,6 +42,7 @@ from kvlocal.route_settings import (
     MAX_SINKS,
     MAX_TOP_K,
     MAX_WINDOW,
+    ModelRoute,
     PREFILL_MODES,
     PREFILL_SHORTLIST_SHARE,
     QUESTION_PASSES,
@@ -132,6 +133,10 @@ class RouteConfig:
     # top_k, hints and question were left at their defaults: a set of several documents answers with the
     # library route instead (for_set)
     follows_set: bool = False
+    # top_k and layer_top_k were left at their defaults: the model's calibrated route sets them, and the
+    # automatic shortlist's floor (for_model)
+    follows_model: bool = False
+    shortlist_floor: int = 0  # an automatic shortlist is at least this many regions
     # the route a question takes when its words hint nowhere in the text (for_set's library route: the
     # route it came from)
     unhinted: RouteConfig | None = None
@@ -172,6 +177,9 @@ class RouteConfig:
                 raise UsageError(f"--layer-top-k: {exc}", setting="layer_top_k") from None
             if self.top_k < 1:
                 raise UsageError("budgets per layer need a top-k of at least 1 for the other layers", setting="layer_top_k")
+        if not 0 <= self.shortlist_floor <= MAX_SHORTLIST:
+            raise UsageError(f"the shortlist's floor must be between 0 and {MAX_SHORTLIST:,} (got {self.shortlist_floor})",
+                             setting="shortlist")
         if not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"the random route's seed must be between 0 and {MAX_SEED} (got {self.seed})", setting="seed")
 
@@ -205,7 +213,20 @@ class RouteConfig:
         if not self.follows_set or n_documents < 2 or self.route_mode != RouteMode.GEOMETRIC:
             return self
         own = replace(self, follows_set=False)
-        return replace(own, top_k=LIBRARY_TOP_K, hints=LIBRARY_HINTS, question=LIBRARY_QUESTION, unhinted=own)
+        return replace(own, top_k=LIBRARY_TOP_K, hints=LIBRARY_HINTS, question=LIBRARY_QUESTION, follows_model=False,
+                       unhinted=own)
+
+    def for_model(self, calibrated: ModelRoute) -> RouteConfig:
+        """The route on a model whose calibrated route is `calibrated`: where this one follows the model
+        (top-k and budgets per layer at their defaults), its top-k, budgets per layer and shortlist
+        floor (the latter only with an automatic shortlist), also in the route a set's answer falls back
+        to; else this route. A set's own library route keeps its top-k and reads no budget per layer."""
+        unhinted = self.unhinted.for_model(calibrated) if self.unhinted is not None else None
+        if not self.follows_model:
+            return replace(self, unhinted=unhinted) if unhinted is not self.unhinted else self
+        floor = calibrated.shortlist_floor if self.shortlist == SHORTLIST_AUTO else 0
+        return replace(self, top_k=calibrated.top_k, layer_top_k=calibrated.layer_top_k, shortlist_floor=floor,
+                       follows_model=False, unhinted=unhinted)
 
     def for_hints(self, n_hints: int) -> RouteConfig:
         """The route once the question's hints are known: `unhinted` where it has one and the question
@@ -240,7 +261,7 @@ class RouteConfig:
         """These settings with an automatic shortlist resolved for a document of `n_tokens` tokens."""
         if self.shortlist != SHORTLIST_AUTO:
             return self
-        return replace(self, shortlist=auto_shortlist(-(-n_tokens // self.region)))
+        return replace(self, shortlist=max(self.shortlist_floor, auto_shortlist(-(-n_tokens // self.region))))
 
     def apply(self, ctx: ctypes.c_void_p, *, batch_top_k: int = 0) -> None:
         """Set the context's routing. A batch of several tokens routes to `batch_top_k` regions, or

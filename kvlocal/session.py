@@ -29,7 +29,14 @@ from kvlocal.hints import TextIndex, hint_cells
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
-from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, MAX_THREADS, MIN_CTX
+from kvlocal.route_settings import (
+    DEFAULT_CENTROID_BLOCK,
+    LIBRARY_CENTROID_TYPE,
+    MAX_THREADS,
+    MIN_CTX,
+    ModelRoute,
+    model_route,
+)
 from kvlocal.routing import (
     PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_centroid_type, check_region_block, read_stats,
 )
@@ -105,13 +112,14 @@ class Session:
         kv_type: str = "f16",
         n_batch: int = 512,
         centroid_block: int = DEFAULT_CENTROID_BLOCK,
-        centroid_type: str = DEFAULT_CENTROID_TYPE,
+        centroid_type: str | None = None,
         model_progress: Callable[[int, int, str], None] | None = None,
     ) -> None:
         if kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
         check_centroid_block(centroid_block)
-        check_centroid_type(centroid_type)
+        if centroid_type is not None:
+            check_centroid_type(centroid_type)
         if threads is not None and not 1 <= threads <= MAX_THREADS:
             raise UsageError(f"the thread count must be between 1 and {MAX_THREADS} (got {threads})", setting="threads")
         self.engine = require_patched()
@@ -119,7 +127,12 @@ class Session:
         self.kv_type = kv_type
         self.n_batch = n_batch
         self.centroid_block = centroid_block
-        self.centroid_type = centroid_type
+        # the route calibrated for this model file (route_settings.MODEL_ROUTES): a route that follows
+        # the model takes its budget, and a document's centroids its type unless `centroid_type` is given
+        self.calibrated_route: ModelRoute = model_route(self.model.sha256)
+        self.given_centroid_type = centroid_type
+        self.centroid_type = self.centroid_type_for(1)  # the type of the current context's centroids
+        self._context_centroid_type: str | None = None
         self.threads = threads or default_threads()
         self.requested_ctx = n_ctx
         self.trained_ctx = int(self.model.info.context_length or 0) or 32768
@@ -139,6 +152,14 @@ class Session:
         self._text_index: TextIndex | None = None  # the prefix's words by cell, for text hints (built on use)
         self._lock = threading.Lock()
 
+    def centroid_type_for(self, n_documents: int) -> str:
+        """The type a context of `n_documents` documents keeps its centroids in: the one given, else for
+        one document the model's route's and for a set of several LIBRARY_CENTROID_TYPE (the type the
+        set's route was measured with)."""
+        if self.given_centroid_type is not None:
+            return self.given_centroid_type
+        return self.calibrated_route.centroid_type if n_documents < 2 else LIBRARY_CENTROID_TYPE
+
     # -- engine objects -------------------------------------------------------------------
 
     def _new_llama(self, *, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1):
@@ -150,6 +171,8 @@ class Session:
             return self._new_llama_unlocked(module, gpu, vocab_only, n_ctx)
 
     def _new_llama_unlocked(self, module, gpu: bool, vocab_only: bool, n_ctx: int):
+        if not vocab_only:
+            self._context_centroid_type = self.centroid_type
         try:
             return module.Llama(
                 model_path=str(self.model.path),
@@ -254,7 +277,8 @@ class Session:
         self.parts = build_prompt(text, self.chat_template, model_name=self.model.path.name)
         tokens = self.tokenize_prompt(self.parts.prefix_segments(), bos=True)
         n_ctx = self.choose_ctx(len(tokens))
-        if self.llm is None or self.llm.n_ctx() != n_ctx:
+        self.centroid_type = self.centroid_type_for(1)
+        if self.llm is None or self.llm.n_ctx() != n_ctx or self._context_centroid_type != self.centroid_type:
             self.llm = None
             self.llm = self._new_llama(n_ctx=n_ctx)
         self.n_prefix = 0
@@ -520,13 +544,20 @@ class Session:
         """
         return Answer(self._decode_answer(question, route, max_tokens, temperature, seed, want_regions, cancel))
 
+    def route_for(self, route: RouteConfig | None = None) -> RouteConfig:
+        """The route an answer takes: `route` (None: the default route, which follows the model), as a set
+        of several documents takes it where it follows the set (RouteConfig.for_set), with this model's
+        calibrated budget where it follows the model (RouteConfig.for_model)."""
+        route = route or RouteConfig(follows_model=True)
+        return route.for_set(self.n_documents).for_model(self.calibrated_route)
+
     def _decode_answer(self, question: str, route: RouteConfig | None, max_tokens: int, temperature: float,
                        seed: int, want_regions: bool, cancel: threading.Event | None,
                        ) -> Generator[AnswerPiece, None, AnswerSummary]:
         if self.llm is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
         check_ask_settings(question, max_tokens, temperature, seed)
-        route = (route or RouteConfig()).for_set(self.n_documents)  # a set's own route where the defaults are kept
+        route = self.route_for(route)
         check_region_block(route.region, self.centroid_block)
         module = llama_cpp()
         with self._lock:

@@ -261,7 +261,7 @@ def test_cli_route_defaults_come_from_one_place():
 
     options = RouteOptions()
     assert options.centroid_block is route_settings.DEFAULT_CENTROID_BLOCK
-    assert options.config(RouteConfig().mode) == RouteConfig(follows_set=True)  # a set may take its own route
+    assert options.config(RouteConfig().mode) == RouteConfig(follows_set=True, follows_model=True)  # a set, a model: their own
     assert PrefillOptions().config(PrefillConfig().mode) == PrefillConfig()
 
 

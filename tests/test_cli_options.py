@@ -66,7 +66,8 @@ def test_ask_help_shows_the_everyday_options_first_then_routing_then_prefill():
     assert {"--model", "--max-tokens", "--route", "--no-cache", "--ctx", "--threads"} <= set(shown["Options"])
     assert set(shown[ROUTING]) == ROUTING_OPTIONS
     assert set(shown[PREFILL]) == PREFILL_OPTIONS
-    assert "[default: (4; a set of documents: 1)]" in result.output  # defaults are shown, a set's own too
+    # defaults are shown, the model's route and a set's own too
+    assert "[default: (the model's route, else 4; a set of documents: 1)]" in result.output
 
 
 @pytest.mark.parametrize("command", ["tui", "eval", "bench"])
@@ -178,7 +179,7 @@ def test_eval_hands_one_route_config_to_the_grid(monkeypatch, tmp_path):
     [config] = grids
     assert (config.route.top_k, config.route.pin, config.route.question) == (3, 1, "steps")
     assert (config.prefill.mode, config.prefill.top_k) == ("routed", 16)
-    assert opened[0][-2:] == (16, "f16")
+    assert opened[0][-2:] == (16, None)  # None: the centroids of the model's route
     routes = list(config.routes())
     assert [(r.mode, r.top_k) for r in routes] == [("full", 3), ("geometric", 3), ("window", 3), ("random", 3),
                                                   ("geometric", 2)]
@@ -231,11 +232,13 @@ def test_the_option_groups_cover_the_cores_settings():
 
     from kvlocal.routing import PrefillConfig, RouteConfig
 
-    # the mode and seed are a command's own options; follows_set and unhinted say whether those options were given
-    core = {f.name for f in dataclasses.fields(RouteConfig)} - {"mode", "seed", "follows_set", "unhinted"}
+    # the mode and seed are a command's own options; follows_set, follows_model and unhinted say whether those
+    # options were given, and the shortlist's floor comes with the model's route
+    core = {f.name for f in dataclasses.fields(RouteConfig)} - {"mode", "seed", "follows_set", "follows_model",
+                                                                  "unhinted", "shortlist_floor"}
     cli_names = {"question" if f.name == "question_pass" else f.name for f in dataclasses.fields(RouteOptions)}
     assert cli_names - {"centroid_block", "centroid_type"} == core  # the centroids are the session's
-    assert RouteOptions().config(RouteConfig().mode) == RouteConfig(follows_set=True)
+    assert RouteOptions().config(RouteConfig().mode) == RouteConfig(follows_set=True, follows_model=True)
     assert len(dataclasses.fields(PrefillOptions)) == len(dataclasses.fields(PrefillConfig)) - 1  # but the mode
     assert PrefillOptions().config(PrefillConfig().mode) == PrefillConfig()
 
@@ -258,3 +261,29 @@ def test_a_set_route_follows_the_set_until_top_k_hints_or_the_question_pass_is_g
         tuned = RouteOptions(**given).config("geometric")
         assert not tuned.follows_set and tuned.for_set(4) == tuned
     assert "a set of documents: 1" in " ".join(run("ask", "--help").output.split())
+
+
+def test_a_route_follows_the_model_until_top_k_or_layer_top_k_is_given():
+    """--top-k and --layer-top-k default to None: the route takes the model's calibrated budget
+    (RouteConfig.for_model: top-k, budgets per layer, the automatic shortlist's floor); giving either
+    takes the route as given. A set's library route keeps its own top-k and no budget per layer, and
+    its fallback for an unhinted question takes the model's."""
+    from kvlocal.route_settings import LIBRARY_TOP_K, SHORTLIST_AUTO, UNCALIBRATED_ROUTE, ModelRoute
+
+    calibrated = ModelRoute(top_k=3, layer_top_k="2-3=8", centroid_type="q8_0", shortlist_floor=48)
+    route = RouteOptions().config("geometric")
+    assert route.follows_model
+    own = route.for_model(calibrated)
+    assert (own.top_k, own.layer_top_k, own.shortlist_floor, own.follows_model) == (3, "2-3=8", 48, False)
+    assert own.for_document(8192).shortlist == 48  # the floor: an eighth of 128 regions is 16
+    assert own.for_document(32768 * 4).shortlist == 256  # past the floor: an eighth of 2,048 regions
+    assert route.for_model(UNCALIBRATED_ROUTE) == replace(route, follows_model=False)
+    assert RouteOptions(shortlist=32).config("geometric").for_model(calibrated).shortlist_floor == 0
+    for given in ({"top_k": 4}, {"layer_top_k": ""}, {"layer_top_k": "0=2"}):
+        tuned = RouteOptions(**given).config("geometric")
+        assert not tuned.follows_model and tuned.for_model(calibrated) == tuned
+    library = route.for_set(4).for_model(calibrated)
+    assert (library.top_k, library.layer_top_k, library.shortlist_floor) == (LIBRARY_TOP_K, "", 0)
+    assert library.for_hints(0) == replace(own, follows_set=False)
+    assert RouteOptions().config("window").for_model(calibrated).layer_top_k == "2-3=8"  # the controls: same budget
+    assert own.shortlist == SHORTLIST_AUTO

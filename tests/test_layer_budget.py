@@ -125,3 +125,38 @@ def test_budgets_the_engine_or_the_model_cannot_take_are_refused(raw):
             RouteConfig(layer_top_k=spec)
     with pytest.raises(UsageError, match="top-k of at least 1"):
         RouteConfig(top_k=0, layer_top_k="1=2")
+
+
+def test_a_model_with_a_calibrated_route_answers_with_its_budget_by_default(tiny_model, tmp_path, monkeypatch):
+    """route_settings.MODEL_ROUTES gives a model file (by its sha256) a route of its own: the session
+    keeps its centroids in the route's type, an answer at the defaults gathers the route's regions per
+    layer with the shortlist's floor, and a route given with a top-k reads as given."""
+    from kvlocal import route_settings
+    from kvlocal.session import Session
+
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
+    text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(120))  # about 2.4k tokens
+    plain = Session(str(tiny_model), threads=2)
+    assert plain.calibrated_route == route_settings.UNCALIBRATED_ROUTE and plain.centroid_type == "f16"
+    calibrated = route_settings.ModelRoute(top_k=1, layer_top_k="1=3", centroid_type="q8_0", shortlist_floor=48)
+    monkeypatch.setitem(route_settings.MODEL_ROUTES, plain.model.sha256, calibrated)
+    plain.close()
+    session = Session(str(tiny_model), threads=2)
+    try:
+        assert session.calibrated_route == calibrated and session.centroid_type == "q8_0"
+        session.load_document(text)
+        assert session.n_prefix > 64 * 12
+        answer = session.ask("which value?", max_tokens=2, want_regions=True)
+        default = [piece.stats for piece in answer if piece.stats is not None]
+        summary = answer.summary()
+        given = session.ask("which value?", route=RouteConfig(mode="geometric", top_k=2), max_tokens=2,
+                            want_regions=True)
+        as_given = [piece.stats for piece in given if piece.stats is not None]
+    finally:
+        session.close()
+    assert (summary.route.top_k, summary.route.layer_top_k, summary.route.shortlist) == (1, "1=3", 48)
+    assert default and as_given
+    for st in default:  # the sinks' region and the window's, then the layer's own budget
+        assert [len(layer[head]) for layer in per_layer(st) for head in range(N_HEAD_KV)] == [FIXED + 1] * 2 + [FIXED + 3] * 2
+    for st in as_given:
+        assert [len(layer[head]) for layer in per_layer(st) for head in range(N_HEAD_KV)] == [FIXED + 2] * 4

@@ -355,3 +355,28 @@ def test_a_set_answers_with_its_own_route_unless_the_route_was_tuned(lib):
     lib.load_set([Z])  # one document: the single-document defaults
     alone = lib.answer("Which ledger code does Zanzibar hold?", route=defaults, max_tokens=1)
     assert (alone.route.top_k, alone.route.hints, alone.route.question) == (4, 0, "dense")
+
+
+def test_a_set_keeps_the_centroids_its_route_was_measured_with(cache_dir, tiny_model, monkeypatch):
+    """A model route's centroid type is one document's: a set of several keeps LIBRARY_CENTROID_TYPE
+    (its route was measured with it) unless a type is given, and a document loaded after the set gets
+    the model's again, in a context of its own."""
+    from kvlocal import route_settings
+    from kvlocal.models import resolve_model
+
+    sha = resolve_model(str(tiny_model)).sha256
+    monkeypatch.setitem(route_settings.MODEL_ROUTES, sha, route_settings.ModelRoute(centroid_type="q8_0"))
+    lib = Library(str(tiny_model), threads=2)
+    given = Library(str(tiny_model), threads=2, centroid_type="q8_0")
+    try:
+        assert lib.centroid_type == "q8_0"
+        lib.load_set([A, B])
+        assert lib.centroid_type == route_settings.LIBRARY_CENTROID_TYPE == "f16"
+        assert lib.answer(QUESTION, max_tokens=2).steps
+        lib.load_set([A])
+        assert lib.centroid_type == "q8_0"
+        given.load_set([A, B])
+        assert given.centroid_type == "q8_0"
+    finally:
+        lib.close()
+        given.close()

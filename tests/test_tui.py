@@ -18,9 +18,9 @@ from textual.widgets import Input, Static
 
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary
 from kvlocal.errors import CancelledError, ModelError, UsageError
-from kvlocal.route_settings import DEFAULT_TOP_K as K
+from kvlocal.route_settings import DEFAULT_TOP_K as K, UNCALIBRATED_ROUTE
 from kvlocal.routing import PrefillConfig, ReadStats, RouteConfig, RouteMode
-from kvlocal.session import LoadResult, PrefillProgress
+from kvlocal.session import LoadResult, PrefillProgress, Session
 from kvlocal.tui.answer_log import Notice
 from kvlocal.tui.app import KvlocalApp
 from kvlocal.tui.heatmap import KvHeatmap, bucket_ends, bucket_starts
@@ -52,6 +52,9 @@ class FakeSession:
         self.saved: set[str] = set()
         self.asked: list[tuple[str, RouteConfig]] = []
         self.prefills: list[PrefillConfig] = []
+        self.calibrated_route = UNCALIBRATED_ROUTE  # the tiny models' route (Session.calibrated_route)
+
+    route_for = Session.route_for  # the session's own rule: which route an answer takes
 
     def load_document(self, text, *, label="", progress=None, cancel=None, use_cache=True, prefill=None):
         prefill = prefill or PrefillConfig()

@@ -134,7 +134,8 @@ class KvlocalApp(App[None]):
         self.session_factory = session_factory or default_session_factory(model, threads)
         self.session: Any = None
         self.document: LoadedDocument | None = None
-        self.route = route or RouteConfig(follows_set=True)  # the defaults: a set of documents takes its own route
+        # the defaults: a set of documents takes its own route, and the model its calibrated budget
+        self.route = route or RouteConfig(follows_set=True, follows_model=True)
         self.prefill = prefill or PrefillConfig()
         self.max_tokens = max_tokens
         self.busy: str | None = None  # "load" or "answer" while a worker runs
@@ -211,8 +212,13 @@ class KvlocalApp(App[None]):
         return self.query_one("#counters", ReadCounters)
 
     def _route_for_documents(self) -> RouteConfig:
-        """The route the next answer takes: a set of several documents has its own unless it was tuned."""
-        return self.route.for_set(self.session.n_documents if self.session is not None and self.document else 1)
+        """The route the next answer takes: a set of several documents has its own unless it was tuned, and
+        the model's calibrated budget where the route follows the model."""
+        if self.session is None:
+            return self.route
+        if self.document is None:
+            return self.route.for_model(self.session.calibrated_route)
+        return self.session.route_for(self.route)
 
     def _update_route_title(self) -> None:
         r = self._route_for_documents()
@@ -220,6 +226,8 @@ class KvlocalApp(App[None]):
             budget = "dense attention"
         else:
             budget = f"k={r.top_k} × R{r.region} · sinks {r.sinks} · window {r.window}"
+            if r.layer_top_k:
+                budget += f" · layers {r.layer_top_k}"
             if r.hinted:
                 budget += f" · hints {r.hinted}"
         self.query_one("#heat-panel").border_title = f"KV reads · {r.mode} · {budget}"
@@ -710,7 +718,7 @@ class KvlocalApp(App[None]):
         self._route_changed()
 
     def action_budget(self, direction: int) -> None:
-        k = self.route.top_k
+        k = self._route_for_documents().top_k
         if direction > 0:
             bigger = [s for s in TOP_K_STEPS if s > k]
             k = bigger[0] if bigger else k

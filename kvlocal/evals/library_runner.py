@@ -24,6 +24,7 @@ from kvlocal.evals.runner import append_row, haystack_tokens, hint_rule, route_f
 from kvlocal.evals.tasks import score
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.library import Library
+from kvlocal.route_settings import UNCALIBRATED_ROUTE, ModelRoute
 from kvlocal.routing import RouteConfig
 
 SET, ALONE, CONCAT = "set", "alone", "concat"
@@ -44,10 +45,12 @@ class LibraryConfig:
     max_tokens: int | None = None
     sets_per_seed: int = 1  # disjoint sets of n_documents drawn from each seed's documents
     paraphrase: bool = False  # ask each fact in other words (the documents stay the same)
+    calibrated: ModelRoute = UNCALIBRATED_ROUTE  # the model's route (run_library sets the session's)
 
     def route_of(self, mode: str, n_documents: int = 1) -> RouteConfig:
-        """`mode`'s route over `n_documents` documents (a set's own route where the settings follow the set)."""
-        route = replace(self.route, mode=mode).for_set(n_documents)
+        """`mode`'s route over `n_documents` documents (a set's own route where the settings follow the set,
+        the model's calibrated budget where they follow the model)."""
+        route = replace(self.route, mode=mode).for_set(n_documents).for_model(self.calibrated)
         return replace(route, pin=route.pins, hints=route.hinted)
 
     @property
@@ -81,12 +84,18 @@ def load_rows(path: Path) -> list[dict]:
 
 
 def answer_key(row: dict) -> tuple:
-    return (row["n_documents"], row["length"], row["seed"], row["probe"], row["reference"], row["mode"],
-            row["top_k"], row["region"], row["window"], row["sinks"], row["pin"], row["keep"], row["shortlist"],
-            row["question"], row["question_top_k"], row["haystack"], row["centroid_block"], row["max_tokens"],
-            row["facts_per_doc"], row.get("first_document", 0), row.get("hints", 0),
+    """The cell an answer row fills (a rerun asks only the facts whose key no row has). Full attention
+    reads every cell whatever the route's budget, scoring or centroids: its key holds none of them."""
+    case = (row["n_documents"], row["length"], row["seed"], row["probe"], row["reference"], row["mode"],
+            row["question"], row["haystack"], row["max_tokens"], row["facts_per_doc"], row.get("first_document", 0),
             row.get("layout_asked", "auto"),  # rows before --layout was recorded ran the automatic layout
-            row.get("questions", "template"), hint_rule(row), row.get("layer_top_k", ""))
+            row.get("questions", "template"))
+    if row["mode"] == "full":
+        return case
+    return case + (row["top_k"], row["region"], row["window"], row["sinks"], row["pin"], row["keep"], row["shortlist"],
+                   row["question_top_k"], row["centroid_block"], row.get("hints", 0), hint_rule(row),
+                   row.get("layer_top_k", ""), row.get("shortlist_floor", 0),
+                   row.get("centroid_type", "f16"))  # rows before it was recorded kept F16 centroids
 
 
 def run_library(
@@ -100,13 +109,15 @@ def run_library(
 ) -> list[dict]:
     """Ask every fact not yet in `out` of the set and the references; returns all rows."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    config = replace(config, calibrated=session.calibrated_route)
     rows = load_rows(out)
     done = {answer_key(r) for r in rows if r["kind"] == "answer"}
     for length, seed, first in ((length, seed, k * config.n_documents) for length in config.lengths
                                 for seed in config.seeds for k in range(config.sets_per_seed)):
         case = make_set_case(session, config, length, seed, filler, first)
         base = {"n_documents": config.n_documents, "length": length, "seed": seed, "haystack": haystack_name,
-                "centroid_block": session.centroid_block, "max_tokens": config.answer_tokens,
+                "centroid_block": session.centroid_block,
+                "max_tokens": config.answer_tokens,
                 "facts_per_doc": config.facts_per_doc, "first_document": first, "task": TASK,
                 "layout_asked": config.layout or "auto",
                 "questions": "paraphrased" if config.paraphrase else "template"}
@@ -114,7 +125,10 @@ def run_library(
         def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, RouteConfig]]:
             n_documents = 1 if reference == ALONE else config.n_documents  # the concatenation: the set's route
             return [(i, route) for i in probes for route in (config.route_of(m, n_documents) for m in modes)
-                    if answer_key({**base, **_route_fields(route), "probe": i, "reference": reference}) not in done]
+                    if answer_key({**base, **_route_fields(route), "probe": i, "reference": reference,
+                                   # the set's context, or one document's (alone, or the concatenation)
+                                   "centroid_type": session.centroid_type_for(
+                                       config.n_documents if reference == SET else 1)}) not in done]
 
         def record(row: dict) -> None:
             append_row(out, row)
@@ -200,7 +214,7 @@ def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config
     own = case.documents[fact_document].source
     fact_share = (tally.documents[labels.index(own)] / in_docs) if in_docs and own in labels else None
     row = {
-        "kind": "answer", **base, **_route_fields(route),
+        "kind": "answer", **base, **_route_fields(route), "centroid_type": session.centroid_type,
         "probe": index, "document": fact_document, "depth": probe.depth,
         "score": score(probe, summary.text), "answer": summary.text.strip(), "expected": list(probe.answers),
         "decode_tps": summary.decode_rate, "steps": summary.steps,

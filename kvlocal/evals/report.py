@@ -25,19 +25,20 @@ def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     return groups
 
 
-def scoring(row: dict) -> tuple[int, int, float, str, str, int, str]:
+def scoring(row: dict) -> tuple[int, int, float, str, str, int, str, int]:
     """How a geometric row scored and read regions: (centroid block, shortlist, keep, question pass,
-    centroid type, pins, budgets per layer); rows written before two-level scoring, the selection
-    memory, the question batch, Q8_0 centroids, pins and budgets per layer scanned every centroid,
-    kept no memory, decoded the question token by token, kept F16 centroids, pinned nothing and gave
-    every layer top-k."""
+    centroid type, pins, budgets per layer, the automatic shortlist's floor); rows written before
+    two-level scoring, the selection memory, the question batch, Q8_0 centroids, pins, budgets per
+    layer and model routes scanned every centroid, kept no memory, decoded the question token by
+    token, kept F16 centroids, pinned nothing, gave every layer top-k and had no floor."""
     return (block(row), row.get("shortlist", 0), row.get("keep", 0.0), question_pass(row),
-            row.get("centroid_type", "f16"), row.get("pin", 0), row.get("layer_top_k", ""))
+            row.get("centroid_type", "f16"), row.get("pin", 0), row.get("layer_top_k", ""),
+            row.get("shortlist_floor", 0))
 
 
 DEFAULT_SCORING = (DEFAULT_CENTROID_BLOCK, DEFAULT_SHORTLIST, DEFAULT_KEEP,
                    question_pass({"question": DEFAULT_QUESTION, "question_top_k": DEFAULT_QUESTION_TOP_K}),
-                   DEFAULT_CENTROID_TYPE, DEFAULT_PIN, DEFAULT_LAYER_TOP_K)
+                   DEFAULT_CENTROID_TYPE, DEFAULT_PIN, DEFAULT_LAYER_TOP_K, 0)
 
 
 def scoring_label(point: dict) -> str:
@@ -45,10 +46,10 @@ def scoring_label(point: dict) -> str:
     type named unless it is f16, the type of every row written before it was recorded)."""
     b, s, k = point["centroid_block"], point.get("shortlist", 0), point.get("keep", 0.0)
     q, t, pin = point.get("question", "steps"), point.get("centroid_type", "f16"), point.get("pin", 0)
-    layers = point.get("layer_top_k", "")
-    if (b, s, k, q, t, pin, layers) == DEFAULT_SCORING:
+    layers, floor = point.get("layer_top_k", ""), point.get("shortlist_floor", 0)
+    if (b, s, k, q, t, pin, layers, floor) == DEFAULT_SCORING:
         return ""
-    shortlist = " s auto" if s == SHORTLIST_AUTO else f" s{s}" if s else ""
+    shortlist = (" s auto" + (f">={floor}" if floor else "")) if s == SHORTLIST_AUTO else f" s{s}" if s else ""
     return (f"/b{b}" + shortlist + (f" keep {k:g}" if k else "") + f" {q}"
             + (f" {t}" if t != "f16" else "") + (f" pin {pin}" if pin else "") + (f" layers {layers}" if layers else ""))
 
@@ -77,7 +78,7 @@ def main_budget(rows: list[dict]) -> int | None:
     return min(ks) if ks else None
 
 
-def main_scoring(rows: list[dict]) -> tuple[int, int, float, str, str, int, str]:
+def main_scoring(rows: list[dict]) -> tuple[int, int, float, str, str, int, str, int]:
     """The scoring of the main geometric cells: the default one if it ran, else the one with the
     smallest centroid block (the finest)."""
     ran = {scoring(r) for r in rows if r["mode"] == "geometric"}
@@ -110,6 +111,7 @@ def summarize(rows: list[dict]) -> dict:
         })
     return {"main_top_k": k0, "main_centroid_block": s0[0], "main_shortlist": s0[1], "main_keep": s0[2],
             "main_question": s0[3], "main_centroid_type": s0[4], "main_pin": s0[5], "main_layer_top_k": s0[6],
+            "main_shortlist_floor": s0[7],
             "cells": cells, "sweep": sweep(rows)}
 
 
@@ -127,13 +129,14 @@ def sweep(rows: list[dict]) -> list[dict]:
         geo = [dict(r, centroid_block=block(r), shortlist=r.get("shortlist", 0), keep=r.get("keep", 0.0),
                     question=question_pass(r),
                     centroid_type=r.get("centroid_type", "f16"), pin=r.get("pin", 0),
-                    layer_top_k=r.get("layer_top_k", ""))
+                    layer_top_k=r.get("layer_top_k", ""), shortlist_floor=r.get("shortlist_floor", 0))
                for r in group if r["mode"] == "geometric"]
-        for (b, s, kp, q, t, pin, layers, k), g in sorted(_group(geo, "centroid_block", "shortlist", "keep", "question",
-                                                                 "centroid_type", "pin", "layer_top_k", "top_k").items()):
+        for (b, s, kp, q, t, pin, layers, floor, k), g in sorted(_group(
+                geo, "centroid_block", "shortlist", "keep", "question", "centroid_type", "pin", "layer_top_k",
+                "shortlist_floor", "top_k").items()):
             far = _accuracy([r for r in g if _outside_window(r)])
             points.append({"top_k": k, "centroid_block": b, "shortlist": s, "keep": kp, "question": q,
-                           "centroid_type": t, "pin": pin, "layer_top_k": layers,
+                           "centroid_type": t, "pin": pin, "layer_top_k": layers, "shortlist_floor": floor,
                            **_accuracy(g),
                            "accuracy_outside_window": far["accuracy"], "n_outside": far["n"],
                            "accuracy_outside_window_ci": far["accuracy_ci"],
@@ -237,7 +240,8 @@ def plot(rows: list[dict], summary: dict, folder: Path) -> list[Path]:
     k0 = summary["main_top_k"]
     s0 = (summary.get("main_centroid_block", DEFAULT_CENTROID_BLOCK), summary.get("main_shortlist", 0),
           summary.get("main_keep", 0.0), summary.get("main_question", "steps"),
-          summary.get("main_centroid_type", "f16"), summary.get("main_pin", 0), summary.get("main_layer_top_k", ""))
+          summary.get("main_centroid_type", "f16"), summary.get("main_pin", 0), summary.get("main_layer_top_k", ""),
+          summary.get("main_shortlist_floor", 0))
     for task in sorted({r["task"] for r in rows if r["depth"] >= 0}):
         task_rows = [r for r in rows if r["task"] == task and (r["mode"] == "full" or (r["top_k"] == k0
                      and r.get("layer_top_k", "") == s0[6]))

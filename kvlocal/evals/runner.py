@@ -101,7 +101,7 @@ BLOCK_BEFORE_RECORDED = 16
 def route_fields(route: RouteConfig) -> dict:
     """A route's settings as a result row holds them (not its seed, nor how it follows a set: a set's
     rows hold the route it resolved to)."""
-    return {k: v for k, v in asdict(route).items() if k not in ("seed", "follows_set", "unhinted")}
+    return {k: v for k, v in asdict(route).items() if k not in ("seed", "follows_set", "follows_model", "unhinted")}
 
 
 def block(row: dict) -> int:
@@ -117,6 +117,11 @@ def question_pass(row: dict) -> str:
 
 
 def row_key(row: dict) -> tuple:
+    """The cell a row fills: a rerun asks only the probes whose key no row has. Full attention reads
+    every cell whatever the route's budget, scoring or centroids, so its key holds none of them."""
+    if row["mode"] == "full":
+        return (row["length"], row["task"], row["seed"], row["probe"], "full", row.get("haystack", ""),
+                row.get("max_tokens", task_answer_tokens(row["task"])), question_pass(row), row.get("prefill", "dense"))
     return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
             row["window"], row["sinks"], row.get("haystack", ""), block(row),
             row.get("max_tokens", task_answer_tokens(row["task"])),  # older rows ran at the task's default
@@ -129,7 +134,8 @@ def row_key(row: dict) -> tuple:
             row.get("estimate", False),  # a row that ran the retired estimate of unread regions: another cell
             row.get("hints", 0),  # rows before text hints read none
             hint_rule(row),
-            row.get("layer_top_k", ""))  # ... and gave every layer the same top-k
+            row.get("layer_top_k", ""),  # ... and gave every layer the same top-k
+            row.get("shortlist_floor", 0))  # ... and had no floor under an automatic shortlist
 
 
 def hint_rule(row: dict) -> str:
@@ -173,6 +179,7 @@ def run_grid(
 ) -> list[dict]:
     """Run every cell not yet in `out`; returns all rows (old and new)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    config = replace(config, route=config.route.for_model(session.calibrated_route))  # rows record the budget read
     rows = load_rows(out)
     done = {row_key(r) for r in rows}
     prefill_tag = session.prefill_tag(config.prefill)
@@ -211,7 +218,8 @@ def _key(length, task, seed, probe_index, route, haystack_name, session, max_tok
                     "centroid_type": session.centroid_type, "max_tokens": max_tokens,
                     "shortlist": route.shortlist, "keep": route.keep,
                     "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag,
-                    "pin": route.pin, "hints": route.hints, "hint_rule": HINT_RULE, "layer_top_k": route.layer_top_k})
+                    "pin": route.pin, "hints": route.hints, "hint_rule": HINT_RULE, "layer_top_k": route.layer_top_k,
+                    "shortlist_floor": route.shortlist_floor})
 
 
 def _load(session: Session, case: Case, length: int, seed: int, prefill: PrefillConfig, prefill_tag: str, log) -> dict:
