@@ -143,9 +143,10 @@ UNCALIBRATED_ROUTE = ModelRoute()
 # with 8 regions in those layers, Q8_0 centroids (half the scan's bytes) and a shortlist of at least 48
 # holds one-key look-alike facts within 5 points of full attention on generated prose and on GPL-3 at
 # 8k and 16k (75-88 % at 12.6-12.9x, 42-46 % at 25.1x; n=24 each) where the uniform top-4 route lost up
-# to 17 points on GPL-3 at 8k, and answers the look-alike task (81 % at 8k, n=48) and the 32k passkey
-# grid (70 %, n=27, at 43x instead of 32x) as the uniform route does (BENCHMARKS.md section 6, "A budget
-# per layer, end to end").
+# to 17 points on GPL-3 at 8k, and keeps the look-alike task (8k 81 %, n=48; 16k 71 %, 32k 25 %, n=24)
+# and the 32k passkey grid (70 %, n=27) within 5 points of full attention, at 43x fewer bytes per answer
+# step at 32k instead of 32x; the controls at its budget answer none (BENCHMARKS.md section 6, "The
+# default model's route").
 MODEL_ROUTES: dict[str, ModelRoute] = {
     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046": ModelRoute(
         top_k=3, layer_top_k="19-23=8", centroid_type="q8_0", shortlist_floor=48),
