@@ -300,7 +300,7 @@ def demo(
 def models() -> None:
     """List the model aliases, their packages and whether they are installed."""
     from kvlocal.models import ALIASES, DEFAULT_ALIAS, model_status
-    from kvlocal.route_settings import MODEL_ROUTES, model_route
+    from kvlocal.route_settings import UNCALIBRATED_ROUTE, model_route
     from kvlocal.units import human_bytes
 
     for alias, spec in ALIASES.items():
@@ -309,8 +309,9 @@ def models() -> None:
         print(f"  {spec.description}")
         print(f"  {len(spec.packages)} packages {spec.packages[0]} … =={spec.version}, {human_bytes(spec.size)}")
         print(f"  sha256 {spec.sha256}")
-        calibrated = "calibrated" if spec.sha256 in MODEL_ROUTES else "not calibrated, the uniform route"
-        print(f"  route: {model_route(spec.sha256).describe()} ({calibrated})")
+        route = model_route(spec.sha256)
+        calibrated = "not calibrated, the uniform route" if route is UNCALIBRATED_ROUTE else "calibrated"
+        print(f"  route: {route.describe()} ({calibrated})")
         print(f"  status: {model_status(alias)}")
 
 

@@ -116,8 +116,7 @@ def run_library(
                                 for seed in config.seeds for k in range(config.sets_per_seed)):
         case = make_set_case(session, config, length, seed, filler, first)
         base = {"n_documents": config.n_documents, "length": length, "seed": seed, "haystack": haystack_name,
-                "centroid_block": session.centroid_block,
-                "max_tokens": config.answer_tokens,
+                "centroid_block": session.centroid_block, "max_tokens": config.answer_tokens,
                 "facts_per_doc": config.facts_per_doc, "first_document": first, "task": TASK,
                 "layout_asked": config.layout or "auto",
                 "questions": "paraphrased" if config.paraphrase else "template"}
