@@ -17,7 +17,7 @@ returned by llama_kvlocal_build_id(); kvlocal compares it with the repository's 
 
 Usage: python vendor/build_engine.py [--backend cpu|cuda|metal|vulkan] [--cuda-arch 90]
        [--jobs N] [--tests] [--tests-only] [--compile-check] [--prepare-only] [--print-id]
-       [--make-pack FILE | --from-pack FILE]
+       [--wheel DIR] [--make-pack FILE | --from-pack FILE]
 """
 
 from __future__ import annotations
@@ -278,7 +278,20 @@ def cmake_args(backend: str, cuda_arch: str | None, set_id: str) -> list[str]:
     return args
 
 
-def install(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: str) -> None:
+def cuda_toolkit_args() -> list[str]:
+    """CMake's view of the toolkit that CUDAToolkit_ROOT names (e.g. one assembled from the registry's
+    nvidia-cuda-nvcc, -runtime, -crt, -cccl, -nvvm and nvidia-cublas wheels, with a driver stub in
+    lib64/stubs)."""
+    toolkit = os.environ.get("CUDAToolkit_ROOT")
+    if toolkit and (Path(toolkit) / "bin" / "nvcc").exists():
+        return [f"-DCUDAToolkit_ROOT={toolkit}", f"-DCMAKE_CUDA_COMPILER={Path(toolkit) / 'bin' / 'nvcc'}"]
+    return []
+
+
+def install(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: str,
+            wheel_dir: Path | None = None) -> None:
+    """pip-install the patched package into this environment, or with wheel_dir write its wheel there
+    (a built engine to carry to a machine that should not compile it)."""
     if backend == "vulkan":
         check_vulkan_headers()
     # one persistent build directory per source tree (CMake ties a build directory to its source)
@@ -289,14 +302,15 @@ def install(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: 
     env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(jobs)
     # each -DKEY=VALUE becomes a scikit-build-core define, so values may hold spaces
     defines = []
-    for arg in cmake_args(backend, cuda_arch, set_id):
+    for arg in cmake_args(backend, cuda_arch, set_id) + (cuda_toolkit_args() if backend == "cuda" else []):
         key, _, value = arg[2:].partition("=")
         defines += ["-C", f"cmake.define.{key}={value}"]
     say(f"building {backend} engine (patch set {set_id}) in {build_dir.relative_to(ROOT)}; "
         f"a fresh build takes minutes")
+    action = (["wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-w", str(wheel_dir)] if wheel_dir
+              else ["install", "--no-deps", "--no-build-isolation", "--force-reinstall", "--no-cache-dir"])
     cmd = [
-        sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-        "--force-reinstall", "--no-cache-dir",
+        sys.executable, "-m", "pip", *action,
         "-C", f"build-dir={build_dir}",
         "-C", "cmake.build-type=Release",
         *defines,
@@ -305,6 +319,9 @@ def install(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: 
     res = subprocess.run(cmd, env=env, stdout=sys.stderr)
     if res.returncode != 0:
         die("pip install of the patched engine failed (see the log above)")
+    if wheel_dir:
+        say(f"wheel written to {wheel_dir}")
+        return
     # the package was installed without resolving its dependencies (so pip never rebuilds or
     # replaces anything else); install them from its metadata now
     requires = [line.split(":", 1)[1].strip() for line in (tree / "PKG-INFO").read_text().splitlines()
@@ -439,9 +456,7 @@ def compile_check(tree: Path, backend: str, cuda_arch: str | None, jobs: int, se
         "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
         *[a for a in cmake_args(backend, cuda_arch, set_id) if not a.startswith("-DLLAVA")],
     ]
-    toolkit = os.environ.get("CUDAToolkit_ROOT")
-    if toolkit and (Path(toolkit) / "bin" / "nvcc").exists():
-        configure.append(f"-DCMAKE_CUDA_COMPILER={Path(toolkit) / 'bin' / 'nvcc'}")
+    configure += cuda_toolkit_args()
     if subprocess.run(configure, stdout=sys.stderr).returncode != 0:
         die("CMake could not configure the CUDA build: it needs the CUDA toolkit with cuBLAS and the driver "
             "library or its stub (lib64/stubs/libcuda.so); CUDAToolkit_ROOT points CMake at a toolkit")
@@ -478,6 +493,9 @@ def main() -> None:
     parser.add_argument("--make-pack", type=Path, metavar="FILE",
                         help="write the patched source, trimmed to what a build reads, as FILE (.tar.gz) for a "
                              "machine without the package registry, and exit")
+    parser.add_argument("--wheel", type=Path, metavar="DIR",
+                        help="write the built engine as a wheel into DIR instead of installing it (e.g. a CUDA "
+                             "engine built here for a GPU machine that should not spend its time compiling)")
     parser.add_argument("--from-pack", type=Path, metavar="FILE",
                         help="build from such a pack instead of the registry's sdist (its patch set must match)")
     args = parser.parse_args()
@@ -519,7 +537,9 @@ def main() -> None:
     if args.compile_check:
         compile_check(tree, args.backend, args.cuda_arch, args.jobs, set_id)
         return
-    install(tree, args.backend, args.cuda_arch, args.jobs, set_id)
+    install(tree, args.backend, args.cuda_arch, args.jobs, set_id, args.wheel.resolve() if args.wheel else None)
+    if args.wheel:
+        return
     if args.tests:
         if args.backend == "vulkan":
             build_backend_ops_tests_vulkan(tree, args.jobs, set_id)
