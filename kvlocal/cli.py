@@ -831,6 +831,8 @@ def bench(
     routing: RouteOptions = RouteOptions(),
     upkeep: Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")] = True,
     ttft: Annotated[bool, typer.Option("--ttft/--no-ttft", help="Also time the first answer token of a 4k document, prefilled and from the cache.")] = True,
+    controls: Annotated[bool, typer.Option("--controls", help="Also time the window and random routes at the geometric route's budget.")] = False,
+    plain_loop: Annotated[bool, typer.Option("--plain-loop", help="Also time llama.cpp's own dense decoding loop on the same state (the reference for kvlocal's loop).")] = False,
     prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", rich_help_panel=PREFILL, help="Lengths prefilled twice, dense then routed, neither from the cache; none: skip (32k dense: ~30 min on 2 cores).")] = "8k,16k,32k",
     prefilling: PrefillOptions = PrefillOptions(),
     library: LibraryOpt = "",
@@ -856,19 +858,17 @@ def bench(
     session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
     _check_lengths_fit(session, context_lengths + prefill_context)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
-    results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log)
+    results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log, controls=controls,
+                              plain_loop=plain_loop)
     prefills = b.bench_prefill(session, prefill_context, prefill_cfg, log=log)
     small = make_case(session, "passkey", 4096, [0.5], 1) if ttft or upkeep else None  # the 4k document
     first_token = (b.time_to_first_token(session, small.text, route, small.probes[0].question) if ttft
                    else {"fresh": None, "cached": None})
     report = {
         "model": session.model.alias or str(session.model.path), "threads": session.threads,
+        **b.machine_fields(session),
         "route": session.route_for(route).describe(),
-        "lengths": [{"length": r.length, "n_tokens": r.n_tokens, "kv_bytes": r.kv_bytes,
-                     "full_tps": r.runs["full"].rate, "geometric_tps": r.runs["geometric"].rate,
-                     "speedup": r.speedup,
-                     "bytes_reduction": r.runs["geometric"].bytes_dense / max(1, r.runs["geometric"].bytes_read)}
-                    for r in results],
+        "lengths": [b.length_fields(r, session.model.info.file_size) for r in results],
         "prefill": prefill_cfg.describe(),
         "prefill_lengths": [{"length": p.length, "n_tokens": p.n_tokens, "dense_s": p.dense_s, "routed_s": p.routed_s,
                              "speedup": p.speedup, "bytes_reduction": p.bytes_reduction} for p in prefills],
@@ -878,12 +878,7 @@ def bench(
     session.close()
     if upkeep:
         report["centroid_upkeep"] = b.centroid_upkeep_share(model, small.text, threads, routing.centroid_block)
-    print(f"model {report['model']}, {report['threads']} threads, route {report['route']}")
-    print("| context | KV bytes | full tok/s | geometric tok/s | speedup | KV bytes read, reduction |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for r in report["lengths"]:
-        print(f"| {r['n_tokens']:,} | {human_bytes(r['kv_bytes'])} | {r['full_tps']:.2f} | {r['geometric_tps']:.2f} "
-              f"| {r['speedup']:.2f}x | {r['bytes_reduction']:.1f}x |")
+    print(b.decode_table(report))
     if prefills:
         print()
         print(f"prefill, dense vs {report['prefill']}:")

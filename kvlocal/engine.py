@@ -247,3 +247,43 @@ def route_api() -> ctypes.CDLL:
         fn.argtypes = [ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
         fn.restype = ctypes.c_int32
     return lib
+
+
+QUANT_TYPES = {"q4_k_m": 15, "q8_0": 7, "f16": 1}  # enum llama_ftype: LLAMA_FTYPE_MOSTLY_<name>
+
+
+def quantize_model(src: str | os.PathLike[str], dst: str | os.PathLike[str], quant: str = "q4_k_m",
+                   threads: int = 0) -> None:
+    """Write `src` (a GGUF) to `dst` quantized to `quant` with llama.cpp's own llama_model_quantize;
+    EngineError when the engine refuses. `threads` 0: all cores."""
+    module = llama_cpp()
+    if quant not in QUANT_TYPES:
+        raise EngineError(f"unknown quantization {quant!r}; choose one of {', '.join(QUANT_TYPES)}")
+    params = module.llama_model_quantize_default_params()
+    params.ftype = QUANT_TYPES[quant]
+    params.nthread = threads
+    status = module.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
+    if status != 0:
+        raise EngineError(f"llama_model_quantize could not write {dst} ({quant}): status {status}")
+
+
+def greedy_loop_seconds(ctx: ctypes.c_void_p, first_token: int, n_tokens: int) -> tuple[int, float]:
+    """llama.cpp's own decoding as the bindings' plainest loop: one llama_decode of one token and one
+    greedy sample in the engine's sampler per step, nothing else, continuing sequence 0 where it ends.
+    Returns (tokens decoded, seconds). The reference that kvlocal's own decode loop is held against."""
+    import time
+
+    module = llama_cpp()
+    sampler = module.llama_sampler_init_greedy()
+    token = (ctypes.c_int32 * 1)(first_token)
+    decoded = 0
+    try:
+        start = time.perf_counter()
+        for _ in range(n_tokens):
+            if module.llama_decode(ctx, module.llama_batch_get_one(token, 1)) != 0:
+                break
+            token[0] = module.llama_sampler_sample(sampler, ctx, -1)
+            decoded += 1
+        return decoded, time.perf_counter() - start
+    finally:
+        module.llama_sampler_free(sampler)

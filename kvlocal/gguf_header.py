@@ -32,6 +32,20 @@ class GGUFInfo:
     key_length: int | None = None  # <arch>.attention.key_length / value_length, when given
     value_length: int | None = None
     rope_dims: int | None = None  # <arch>.rope.dimension_count, when given
+    file_type: int | None = None  # general.file_type (enum llama_ftype): the weights' type, when given
+
+    @property
+    def weight_type(self) -> str:
+        """The weights' type as llama.cpp names it ("Q4_K_M", "F16", ...), or "unknown"."""
+        if self.file_type is None:
+            return "unknown"
+        return FILE_TYPE_NAMES.get(self.file_type, f"file type {self.file_type}")
+
+
+# enum llama_ftype, the common ones
+FILE_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+                   11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+                   17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
 
 
 
@@ -198,6 +212,7 @@ def _parse(path: Path, buf: mmap.mmap, size: int) -> GGUFInfo:
         file_size=size,
         causal=causal if isinstance(causal, bool) else None,
         pooling_type=hp("pooling_type"),
+        file_type=meta.get("general.file_type") if isinstance(meta.get("general.file_type"), int) else None,
         key_length=hp("attention.key_length"),
         value_length=hp("attention.value_length"),
         rope_dims=hp("rope.dimension_count"),

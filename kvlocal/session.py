@@ -22,7 +22,7 @@ import numpy as np
 
 from kvlocal import kvstate
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, ReadTotals
-from kvlocal.engine import llama_cpp, require_patched, route_api
+from kvlocal.engine import greedy_loop_seconds, llama_cpp, require_patched, route_api
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
 from kvlocal.hints import TextIndex, hint_cells
@@ -615,6 +615,24 @@ class Session:
             summary.text = "".join(pieces)
             summary.context_full = capped and summary.n_answer_tokens == max_tokens
             return summary
+
+    def plain_loop(self, question: str, n_tokens: int) -> tuple[int, float]:
+        """Dense decoding of `n_tokens` answer tokens by llama.cpp's own loop (engine.greedy_loop_seconds)
+        after the question read densely: (tokens, seconds), the reference for kvlocal's decode loop."""
+        if self.llm is None or self.n_prefix == 0:
+            raise UsageError("no document is loaded")
+        module = llama_cpp()
+        full = RouteConfig(mode="full")
+        with self._lock:
+            self._rewind()
+            full.apply(self.ctx)
+            q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
+            for i in range(0, len(q_tokens), self.n_batch):
+                self.llm.eval(q_tokens[i : i + self.n_batch])
+            logits = np.ctypeslib.as_array(module.llama_get_logits_ith(self.ctx, -1), shape=(self.llm.n_vocab(),))
+            decoded, seconds = greedy_loop_seconds(self.ctx, int(np.argmax(logits)), n_tokens)
+            self.llm.n_tokens += decoded
+            return decoded, seconds
 
     def answer(self, question: str, **kwargs) -> AnswerSummary:
         """ask() without streaming: the finished answer's summary."""

@@ -125,11 +125,14 @@ QWEN25_SHAPES = {
 }
 
 
-def write_qwen2_shaped(path: str | os.PathLike[str], shape: str = "1.5b", *, dtype: str = "f16", seed: int = 0) -> Path:
+def write_qwen2_shaped(path: str | os.PathLike[str], shape: str = "1.5b", *, dtype: str = "f16", seed: int = 0,
+                       n_ctx: int | None = None) -> Path:
     """A random-weight qwen2 GGUF with the shapes of a real Qwen2.5 (`QWEN25_SHAPES`): the tiny
     vocabulary padded with unused tokens to the real size, output tied to the embeddings as in
-    Qwen2.5, matrices in `dtype` (f16 or f32)."""
-    return _write_tiny(path, "qwen2", **QWEN25_SHAPES[shape], dtype=dtype, seed=seed, tied=True)
+    Qwen2.5, matrices in `dtype` (f16 or f32); `n_ctx` replaces the trained context it declares
+    (e.g. 131072 to time decoding past the real model's 32k)."""
+    shape_params = dict(QWEN25_SHAPES[shape], **({"n_ctx": n_ctx} if n_ctx else {}))
+    return _write_tiny(path, "qwen2", **shape_params, dtype=dtype, seed=seed, tied=True)
 
 
 def _write_tiny(path, arch: str, *, n_layer: int, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
@@ -373,14 +376,26 @@ def main() -> None:
     parser.add_argument("--shape", choices=[*sorted(QWEN25_SHAPES), "tiny"], default="1.5b",
                         help="tiny: the tests' tiny qwen2 with a 32k context (for rehearsals)")
     parser.add_argument("--dtype", choices=["f16", "f32"], default="f16")
+    parser.add_argument("--n-ctx", type=int, default=None, help="the trained context the model declares "
+                        "(default: the real model's; tiny: 32768)")
+    parser.add_argument("--quantize", choices=["q4_k_m", "q8_0"], default=None,
+                        help="then quantize it with the engine's llama_model_quantize (the default model is q4_k_m)")
     args = parser.parse_args()
     tmp = args.out.with_name(args.out.name + ".tmp")
     if args.shape == "tiny":
-        write_tiny_qwen2(tmp, n_ctx=32768)
+        write_tiny_qwen2(tmp, n_ctx=args.n_ctx or 32768)
     else:
-        write_qwen2_shaped(tmp, args.shape, dtype=args.dtype)
-    os.replace(tmp, args.out)
-    print(f"{args.out}: random qwen2, shape {args.shape}, "
+        write_qwen2_shaped(tmp, args.shape, dtype=args.dtype, n_ctx=args.n_ctx)
+    if args.quantize:
+        from kvlocal.engine import quantize_model  # the engine is needed only for this
+
+        quantized = args.out.with_name(args.out.name + ".q.tmp")
+        quantize_model(tmp, quantized, args.quantize)
+        os.replace(quantized, args.out)
+        tmp.unlink()
+    else:
+        os.replace(tmp, args.out)
+    print(f"{args.out}: random qwen2, shape {args.shape}{', ' + args.quantize if args.quantize else ''}, "
           f"{args.out.stat().st_size / 1e9:.2f} GB")
 
 

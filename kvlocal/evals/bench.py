@@ -9,7 +9,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvlocal.evals.runner import DEFAULT_DEPTHS, make_case
 from kvlocal.routing import PrefillConfig, RouteConfig
@@ -60,15 +60,49 @@ def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, 
     return best
 
 
+CONTROLS = ("window", "random")  # the controls, timed at the geometric route's budget
+PLAIN_LOOP = "llama.cpp loop"  # dense decoding by llama.cpp's own loop (Session.plain_loop)
+
+
+def _plain_loop(session: Session, question: str, n_tokens: int, repeats: int) -> DecodeRun:
+    """llama.cpp's own dense decoding of the same answer length on the same state, best of `repeats`."""
+    best = None
+    for _ in range(repeats):
+        tokens, seconds = session.plain_loop(question, n_tokens)
+        run = DecodeRun(PLAIN_LOOP, tokens, seconds, 0, 0, "full (dense attention), llama.cpp's loop")
+        if best is None or run.rate > best.rate:
+            best = run
+    return best
+
+
 def _full_and_geometric(session: Session, question: str, route: RouteConfig, n_tokens: int, repeats: int,
-                        log: Callable[[str], None]) -> dict[str, DecodeRun]:
-    """The answer steps' rate with full attention, then with `route`, back to back on the loaded state."""
+                        log: Callable[[str], None], controls: bool = False,
+                        plain_loop: bool = False) -> dict[str, DecodeRun]:
+    """The answer steps' rate with full attention, then with `route`, back to back on the loaded state;
+    with `controls` also the window and random routes at `route`'s budget, with `plain_loop` llama.cpp's
+    own dense loop."""
     runs = {}
-    for mode in ("full", "geometric"):
-        r = route if mode == "geometric" else RouteConfig(mode="full", question=route.question)
+    for mode in ("full", "geometric", *(CONTROLS if controls else ())):
+        if mode == "full":
+            r = RouteConfig(mode="full", question=route.question)
+        else:
+            r = route if mode == "geometric" else replace(session.route_for(route), mode=mode)
         runs[mode] = _decode(session, question, r, n_tokens, repeats)
         log(f"  {mode:<9} {runs[mode].rate:6.2f} tok/s over {runs[mode].tokens} tokens")
+    if plain_loop:
+        runs[PLAIN_LOOP] = _plain_loop(session, question, n_tokens, repeats)
+        log(f"  {PLAIN_LOOP} {runs[PLAIN_LOOP].rate:6.2f} tok/s over {runs[PLAIN_LOOP].tokens} tokens")
     return runs
+
+
+def read_ceiling(weights_bytes: int, run: DecodeRun, full: DecodeRun) -> float:
+    """The speed-up over `full` that `run`'s reads allow where decoding is bound by memory bandwidth:
+    (weights + dense KV bytes per step) / (weights + the KV bytes `run` read per step)."""
+    if not run.tokens or not full.tokens:
+        return 0.0
+    dense = full.bytes_dense / full.tokens
+    read = run.bytes_read / run.tokens
+    return (weights_bytes + dense) / (weights_bytes + read)
 
 
 def _haystack(session: Session, length: int) -> str:
@@ -77,14 +111,15 @@ def _haystack(session: Session, length: int) -> str:
 
 
 def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n_tokens: int = 48,
-                  repeats: int = 2, log: Callable[[str], None] = print) -> list[LengthResult]:
+                  repeats: int = 2, log: Callable[[str], None] = print, controls: bool = False,
+                  plain_loop: bool = False) -> list[LengthResult]:
     results = []
     for length in lengths:
         loaded = session.load_document(_haystack(session, length), label=f"bench {length}")
         log(f"bench {length}: {loaded.n_tokens:,} tokens ({'cache hit' if loaded.cache_hit else 'prefilled'})")
         question = "Write a detailed summary of the document, section by section."
         res = LengthResult(length, loaded.n_tokens, session.kv_bytes())
-        res.runs = _full_and_geometric(session, question, route, n_tokens, repeats, log)
+        res.runs = _full_and_geometric(session, question, route, n_tokens, repeats, log, controls, plain_loop)
         results.append(res)
     return results
 
@@ -192,3 +227,60 @@ def bench_library(session, sizes: list[int], length: int, route: RouteConfig, *,
         res.runs = _full_and_geometric(session, question, route, n_tokens, repeats, log)
         results.append(res)
     return results
+
+
+def machine_fields(session: Session) -> dict:
+    """Where a bench ran: the device the model's layers were offloaded to (the first non-CPU device the
+    engine registered, else the CPU), and the weights' type and size."""
+    from kvlocal.engine import backend_devices
+
+    devices = backend_devices()
+    device = next((d for d in devices if d.kind != "cpu"), devices[-1] if devices else None)
+    return {
+        "backend": device.name if device else "CPU",
+        "device": device.description if device else "",
+        "weights": session.model.info.weight_type,
+        "weights_bytes": session.model.info.file_size,
+    }
+
+
+def length_fields(result: LengthResult, weights_bytes: int) -> dict:
+    """One context length's row of the bench report: each mode's rate, its ratio to full, its KV read
+    reduction, and the ratio its reads would allow if decoding were bound by memory bandwidth."""
+    full, geo = result.runs["full"], result.runs["geometric"]
+    row = {"length": result.length, "n_tokens": result.n_tokens, "kv_bytes": result.kv_bytes,
+           "full_tps": full.rate, "geometric_tps": geo.rate, "speedup": result.speedup,
+           "bytes_reduction": geo.bytes_dense / max(1, geo.bytes_read),
+           "ceiling": read_ceiling(weights_bytes, geo, full)}
+    for mode in CONTROLS:
+        if mode in result.runs:
+            run = result.runs[mode]
+            row[f"{mode}_tps"] = run.rate
+            row[f"{mode}_speedup"] = run.rate / full.rate if full.rate else 0.0
+            row[f"{mode}_ceiling"] = read_ceiling(weights_bytes, run, full)
+    if PLAIN_LOOP in result.runs:
+        row["plain_loop_tps"] = result.runs[PLAIN_LOOP].rate
+        row["full_vs_plain_loop"] = full.rate / row["plain_loop_tps"] if row["plain_loop_tps"] else 0.0
+    return row
+
+
+def decode_table(report: dict) -> str:
+    """The bench report's decode rows as a Markdown table (the columns its rows have)."""
+    from kvlocal.units import human_bytes
+
+    rows = report["lengths"]
+    controls = [m for m in CONTROLS if rows and f"{m}_tps" in rows[0]]
+    plain = bool(rows) and "plain_loop_tps" in rows[0]
+    head = ["context", "KV bytes", "full tok/s", "geometric tok/s", "speedup (ceiling)", "KV bytes read, reduction"]
+    head += [f"{m} tok/s (x full)" for m in controls] + (["llama.cpp loop tok/s (full / it)"] if plain else [])
+    lines = [f"model {report['model']} ({report.get('weights', '?')}), {report.get('backend', 'CPU')} "
+             f"{report.get('device', '')}".rstrip() + f", {report['threads']} threads, route {report['route']}",
+             "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in rows:
+        cells = [f"{r['n_tokens']:,}", human_bytes(r["kv_bytes"]), f"{r['full_tps']:.2f}", f"{r['geometric_tps']:.2f}",
+                 f"{r['speedup']:.2f}x ({r.get('ceiling', 0):.2f}x)", f"{r['bytes_reduction']:.1f}x"]
+        cells += [f"{r[f'{m}_tps']:.2f} ({r[f'{m}_speedup']:.2f}x)" for m in controls]
+        if plain:
+            cells.append(f"{r['plain_loop_tps']:.2f} ({r['full_vs_plain_loop']:.2f}x)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
