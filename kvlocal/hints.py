@@ -3,7 +3,7 @@
 A region's key centroid is the mean of its 64 or so keys. Two regions that hold the same sentence
 with one word changed (a clause in every contract of a folder, a log line with another host) score
 alike, so the route cannot tell the asked fact from its look-alikes, and neither, at long range, can
-dense attention (BENCHMARKS.md section 7). The question usually names the word that tells them
+dense attention (BENCHMARKS.md §6, "Several documents"). The question usually names the word that tells them
 apart, and the session knows each cell's text. `hint_cells` scores each place of one of the
 question's rare words by the question words within a sentence's reach of it (each weighted by how
 few regions hold it) and names, for the best `n` places, the cell of that rare word and the cell its

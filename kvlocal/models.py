@@ -52,8 +52,8 @@ ALIASES: dict[str, ModelSpec] = {
         ),
     )
 }
-# the 1.5B: on the passkey grid it keeps dense accuracy under routing at 16k where the 0.5B does
-# not, for about 10 % more prefill time (BENCHMARKS.md, "The model: 1.5B, not 0.5B")
+# the 1.5B: it keeps dense accuracy under routing where the 0.5B does not, for a little more prefill
+# time (BENCHMARKS.md §5, "The model: 1.5B, not 0.5B")
 DEFAULT_ALIAS = "qwen2.5-coder-1.5b"
 
 

@@ -15,8 +15,8 @@ MODES = ("full", "geometric", "window", "random")
 DEFAULT_MODE = "geometric"
 
 # regions routed per layer and KV head by a model without a calibrated route (MODEL_ROUTES below:
-# the default model has one). 4: top-2 lost look-alike facts at 16k and 32k, and top-8 found no more
-# than top-4 (BENCHMARKS.md, "The default route against full attention and the controls")
+# the default model has one). 4: fewer lost look-alike facts at long range, more found no more
+# (docs/experiments/uniform-route.md; its figures: BENCHMARKS.md §2, "The uniform route")
 DEFAULT_TOP_K = 4
 DEFAULT_REGION = 64  # tokens per region (the unit gathered)
 DEFAULT_WINDOW = 128  # recent tokens always read (rounded up to regions)
@@ -24,19 +24,16 @@ DEFAULT_SINKS = 64  # first tokens always read (rounded up to regions)
 
 # The KV cache keeps one mean key per block of this many cells (per layer and KV head); a region's
 # score is its best block. Fixed when a context is created (llama_context_params.kv_centroid_block).
-# 8 with the automatic shortlist below: half the fine centroid bytes of 4-token blocks, for one
-# look-alike fact fewer of 24 at 8k (83 % vs 88 %) and as many at 16k (BENCHMARKS.md, "The default
-# route against full attention and the controls").
+# 8 with the automatic shortlist below: half the fine centroid bytes of 4-token blocks, within noise of
+# their accuracy (docs/experiments/uniform-route.md).
 CENTROID_BLOCKS = (4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CENTROID_BLOCK = 8
 
 # The type the centroids are kept in (llama_context_params.kv_centroid_type): f16, or q8_0 at 34
 # bytes per 32 values instead of 64, so a routed step's centroid scan costs about half. f16 for a
-# model without a calibrated route: on the uniform top-4 route q8_0 at the same shortlist found the
-# same 32k needles and look-alike facts (18 of 27, 6 of 24) at 43x fewer KV bytes per answer step
-# instead of 33x, but one fact fewer at 16k and at 8k (near-copies) (BENCHMARKS.md, "Q8_0
-# centroids"). The default model's route keeps q8_0 centroids: the bytes it saves pay for a wider
-# shortlist (MODEL_ROUTES).
+# model without a calibrated route: on the uniform route q8_0 was not shown to answer as well
+# (docs/experiments/uniform-route.md). The default model's route keeps q8_0 centroids: the bytes it
+# saves pay for a wider shortlist (MODEL_ROUTES).
 CENTROID_TYPES = ("f16", "q8_0")
 DEFAULT_CENTROID_TYPE = "f16"
 
@@ -45,9 +42,8 @@ DEFAULT_CENTROID_TYPE = "f16"
 # fine ones); a step scores the coarse ones, shortlists this many regions and ranks only those by
 # their fine centroids. 0: one pass over every fine centroid. SHORTLIST_AUTO follows the document:
 # an eighth of its regions, rounded up to a multiple of 16 (16 at 8k, 32 at 16k, 64 at 32k): a
-# fixed shortlist of 16 lost the 32k passkey grid's needles in the coarse pass, and the lab reads
-# the needle's region more often the longer the shortlist (BENCHMARKS.md, "The lab's tables that
-# chose the defaults").
+# fixed shortlist lost long documents' needles in the coarse pass (BENCHMARKS.md §4, "The lab's
+# tables that chose the defaults").
 SHORTLIST_AUTO = -1
 SHORTLIST_SHARE = 8
 SHORTLIST_STEP = 16
@@ -67,27 +63,22 @@ DEFAULT_KEEP = 0.9
 # cache once; "routed" as one batch whose queries choose QUESTION_TOP_K regions together, read once
 # for the whole question; "steps" decodes them one by one through the route, as the answer is. The
 # answer is always decoded step by step through the route. Dense is the default because the question
-# is where routing lost look-alike facts: at 8k, top-4, 24 facts outside the window, a dense
-# question answered 23 where routed steps answered 12 and a routed question of 32 or 64 regions 12
-# or 18.
+# is where routing lost look-alike facts (docs/experiments/uniform-route.md).
 QUESTION_PASSES = ("dense", "routed", "steps")
 DEFAULT_QUESTION = "dense"
 DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's batch reads
 
 # Pins: the dense question pass also sums the attention its last queries give each region, and the
 # answer's steps always read the DEFAULT_PIN regions with the most of it (of their top-k; with the
-# selection memory and the dense question only). The lab: 2 pins read the fact's region at 0.93 of
-# the 32k passkey grid's answer steps vs 0.81. End to end (3 haystacks each): passkey 32k 19 of 27
-# (full 20, none 18), look-alike 32k 7 of 24 (full 7, none 6), 16k 18 of 24 and 8k 20 of 24 (as
-# without); the question reads K once more, so a short answer's total reduction falls from 6.6x to
-# 4.7x at 32k (BENCHMARKS.md, "The default route against full attention and the controls" and "The
-# lab's tables that chose the defaults").
+# selection memory and the dense question only): the answer steps then read the fact's region more
+# often, for one more read of K in the question pass (BENCHMARKS.md §4, "The lab's tables that chose
+# the defaults"; docs/experiments/uniform-route.md).
 DEFAULT_PIN = 2
 
 # Budgets per layer: "16-23=8" makes layers 16 to 23 route 8 regions at each single-token step and
 # the others top-k (llama_kv_route_set_layer_top_k). The routing lab found the look-alike fact lost
-# mostly in the last third of the default model's layers (BENCHMARKS.md section 6), so the same bytes
-# buy more there; layer numbers are a model's own, so a budget per layer is part of a model's route
+# mostly in the last third of the default model's layers (BENCHMARKS.md §4), so the same bytes buy
+# more there; layer numbers are a model's own, so a budget per layer is part of a model's route
 # (MODEL_ROUTES below), and none for a model without one.
 DEFAULT_LAYER_TOP_K = ""
 
@@ -139,14 +130,10 @@ UNCALIBRATED_ROUTE = ModelRoute()
 
 # Calibrated routes, by the model file's sha256 (so a local copy of a registry model gets its route
 # too). Qwen2.5 Coder 1.5B Q4_K_M (the default model, 28 layers): the routing lab found the one-key
-# fact lost in layers 19-23 (BENCHMARKS.md section 6, "Where the default route loses the fact"); top-3
-# with 8 regions in those layers, Q8_0 centroids (half the scan's bytes) and a shortlist of at least 48
-# holds one-key look-alike facts within 5 points of full attention on generated prose and on GPL-3 at
-# 8k and 16k (75-88 % at 12.6-12.9x, 42-46 % at 25.1x; n=24 each) where the uniform top-4 route lost up
-# to 17 points on GPL-3 at 8k, and keeps the look-alike task (8k 81 %, n=48; 16k 71 %, 32k 25 %, n=24)
-# and the 32k passkey grid (70 %, n=27) within 5 points of full attention, at 43x fewer bytes per answer
-# step at 32k instead of 32x; the controls at its budget answer none (BENCHMARKS.md section 6, "The
-# default model's route").
+# fact lost in layers 19-23 (BENCHMARKS.md §4, "Where a route loses the fact"), so top-3 with 8 regions
+# in those layers, Q8_0 centroids (half the scan's bytes) and a shortlist of at least 48
+# (docs/experiments/default-model-route.md); how it answers against full attention and the controls:
+# BENCHMARKS.md §1, "The default route against full attention and the controls".
 MODEL_ROUTES: dict[str, ModelRoute] = {
     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046": ModelRoute(
         top_k=3, layer_top_k="19-23=8", centroid_type="q8_0", shortlist_floor=48),
@@ -160,19 +147,18 @@ def model_route(sha256: str | None) -> ModelRoute:
 
 # Text hints (kvlocal/hints.py): geometric routing also reads the HINTS regions whose text shares the
 # question's rarest words (with the tokens that follow the word), in place of as many of its top-k
-# choices. Off by default: measured on look-alike facts only so far (BENCHMARKS.md section 7).
+# choices. Off by default for one document (docs/experiments/hints-on-one-document.md).
 DEFAULT_HINTS = 0
 
 # A set of several documents (`kvlocal ask DOC DOC... "question"`, the TUI with a set): facts that
 # recur across the documents with one word changed defeat the default route and dense attention alike
 # (the answers collapse onto one document's code), and a route that reads only the sentence of the
-# question's rarest word answers them: over 4 documents x 8k on three fact shapes 96 % where the
-# default route answered 0-8 % and full attention 46 %, over 16 documents 82 % where each document
-# alone answers 83 % (BENCHMARKS.md section 7). So a set's geometric answers take LIBRARY_TOP_K,
-# LIBRARY_HINTS and LIBRARY_QUESTION unless --top-k, --hints or --question-pass is given, and a
-# question whose words hint nowhere in the set's text takes the single-document defaults instead
-# (RouteConfig.for_set). One document keeps the defaults above: there the hinted route answered fewer
-# look-alike facts than the default route (58 % against 79 % at 8k, BENCHMARKS.md section 6).
+# question's rarest word answers them (docs/experiments/library-hints.md; BENCHMARKS.md §6, "Several
+# documents"). So a set's geometric answers take LIBRARY_TOP_K, LIBRARY_HINTS and LIBRARY_QUESTION
+# unless --top-k, --hints or --question-pass is given, and a question whose words hint nowhere in the
+# set's text takes the single-document defaults instead (RouteConfig.for_set). One document keeps the
+# defaults above: there the hinted route answered fewer look-alike facts than the default route
+# (docs/experiments/hints-on-one-document.md).
 LIBRARY_TOP_K = 1
 LIBRARY_HINTS = 1
 LIBRARY_QUESTION = "steps"
@@ -189,11 +175,9 @@ LIBRARY_CENTROID_TYPE = "f16"
 # writes other K/V bytes than a dense one, so its saved state is keyed apart. Dense stays the
 # default. The prefill lab found a fact token's prefill attention diffuse: the error a routed ubatch
 # hands on is set by the share of the document it reads (no selection rule does much better than
-# the engine's), so look-alike facts need about a quarter to a half of the regions. PREFILL_TOP_K 64
-# keeps them within one fact of the dense prefill (16k: 71 % [51-85] vs 75 % [55-88] at 1.37x; 32k:
-# 25 % [12-45] vs 29 % [15-49] at about 2x; n=24 each), where top-16 loads 16k 2.0x and 32k
-# 3.2-3.7x faster but loses them (16k: 42 % vs 75 %) (BENCHMARKS.md, "Decode and prefill speed" and
-# "The lab's tables that chose the defaults").
+# the engine's), so look-alike facts need a large share of the regions; PREFILL_TOP_K 64 keeps them
+# where smaller budgets load faster but lose them (docs/experiments/routed-prefill.md; BENCHMARKS.md
+# §3, "Decode and prefill speed").
 PREFILL_MODES = ("dense", "routed")
 DEFAULT_PREFILL = "dense"
 DEFAULT_PREFILL_TOP_K = 64

@@ -90,7 +90,7 @@ def test_the_command_checks_the_hints_on_the_tiny_model(tiny_model, tmp_path):
     assert len(rows) == 2 * 2 * 2 * 2  # seeds x scopes x documents x facts
     assert {r["scope"] for r in rows} == {"sentence", "region"}
     # the tiny model's byte-level tokens spell a code ~30 cells after its key, past FOLLOW: the rows say
-    # so per fact (with the default model's tokens the hinted regions held every code: BENCHMARKS.md §7)
+    # so per fact (with the default model's tokens the hinted regions held every code: docs/experiments/library-hints.md)
     assert all(r["in_document"] for r in rows if r["scope"] == "sentence")
     assert {r["code_read"] for r in rows} <= {True, False}
     assert "| 2 x 2k | generated | template | sentence | all | 8 |" in result.output

@@ -1,4 +1,4 @@
-import os  # a lavapipe crash reproduction (BENCHMARKS.md section 8); not a test: run it with .venv-vulkan/bin/python
+import os  # a lavapipe crash reproduction (docs/experiments/lavapipe-crash.md); not a test: run it with .venv-vulkan/bin/python
 import sys
 sys.path.insert(0, "tests")
 import numpy as np

@@ -1,5 +1,5 @@
 # Not a test: where the default model's pin-writing question graph and the routed step after it ran, node by
-# node (BENCHMARKS.md section 8); exits 1 if a routed node ran off the GPU device. Step 6 of
+# node (BENCHMARKS.md §7); exits 1 if a routed node ran off the GPU device. Step 6 of
 # .ci/vulkan-check runs it; by hand: GGML_VK_VISIBLE_DEVICES=0 .venv-vulkan/bin/python tests/vulkan_split_count.py
 # (about 7 minutes on 2 cores through lavapipe, most of it the 640-token prefill).
 import sys

@@ -1,11 +1,14 @@
 """The summary of `kvlocal eval --library` rows: accuracy per set size, reference and mode with 95 %
 intervals, reads per answer step, where the reads fell, and how long a cached set takes to ready.
 
-`python -m kvlocal.evals.library_report OUT/results.jsonl` prints it again from kept rows.
+`python -m kvlocal.evals.library_report OUT/results.jsonl` prints it again from kept rows;
+`python -m kvlocal.evals.library_report --bench BENCH.json...` the tables of `kvlocal bench --library --out`.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -16,6 +19,7 @@ from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_r
 from kvlocal.evals.runner import hint_rule, question_pass
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.route_settings import DEFAULT_QUESTION
+from kvlocal.units import human_bytes
 
 REFERENCE_RANK = {SET: 0, ALONE: 1, CONCAT: 2}
 
@@ -117,11 +121,41 @@ def _reference_text(cell: dict) -> str:
     return f"the set ({', '.join(cell['layout'])})"
 
 
+def route_short(route: str) -> str:
+    """A bench file's route in a few words: 'top-4', or 'top-1, 1 hint' for the hinted route."""
+    top = re.search(r"top-(\d+)", route)
+    hinted = re.search(r"(\d+) hinted", route)
+    return (f"top-{top.group(1)}" if top else route) + (f", {hinted.group(1)} hint" if hinted else "")
+
+
+def bench_markdown(runs: list[tuple[str, dict]]) -> str:
+    """One row per set of `kvlocal bench --library --out FILE.json` runs: readiness from the cache, full
+    against geometric decode over the set, and the route geometric took (a set's own when its question hints)."""
+    lines = ["| run | set | cells | layout | KV bytes | ready from the cache | geometric route | full tok/s "
+             "| geometric tok/s | speed-up | KV bytes read, reduction (question included) | peak RSS |",
+             "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for name, run in runs:
+        rss = human_bytes(run["peak_rss_bytes"]) if run.get("peak_rss_bytes") else "–"
+        for r in run.get("library", []):
+            route = route_short(r.get("geometric_route") or run.get("route", ""))
+            lines.append(f"| {name} | {r['n_documents']} x {r['length'] // 1024}k | {r['n_cells']:,} | {r['layout']} "
+                         f"| {human_bytes(r['kv_bytes'])} | {r['ready_s']:.1f} s | {route} | {r['full_tps']:.2f} "
+                         f"| {r['geometric_tps']:.2f} | {r['speedup']:.2f}x | {r['bytes_reduction']:.1f}x | {rss} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    bench = args[:1] == ["--bench"]
+    if bench:
+        args.pop(0)
     if not args:
-        print("usage: python -m kvlocal.evals.library_report RESULTS.jsonl...", file=sys.stderr)
+        print("usage: python -m kvlocal.evals.library_report RESULTS.jsonl...\n"
+              "       python -m kvlocal.evals.library_report --bench BENCH.json...", file=sys.stderr)
         raise SystemExit(2)
+    if bench:
+        print(bench_markdown([(Path(p).stem, json.loads(Path(p).read_text())) for p in args]))
+        return
     rows = [row for path in args for row in load_rows(Path(path))]
     print(markdown(summarize(rows)))
 

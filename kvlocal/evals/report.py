@@ -12,7 +12,8 @@ from kvlocal.atomic import write_text_atomic
 from kvlocal.evals.runner import block, hint_rule, question_pass
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_LAYER_TOP_K, DEFAULT_PIN, DEFAULT_QUESTION,
-    DEFAULT_QUESTION_TOP_K, DEFAULT_SHORTLIST, DEFAULT_SINKS, DEFAULT_WINDOW, MODES, SHORTLIST_AUTO,
+    DEFAULT_QUESTION_TOP_K, DEFAULT_REGION, DEFAULT_SHORTLIST, DEFAULT_SINKS, DEFAULT_WINDOW, MODES, SHORTLIST_AUTO,
+    UNCALIBRATED_ROUTE, ModelRoute, auto_shortlist, model_route,
 )
 
 Z95 = 1.959964  # the standard normal quantile of a two-sided 95 % interval
@@ -474,6 +475,50 @@ def routes(rows: list[dict]) -> list[dict]:
     return out
 
 
+SELECTIONS = ("default", "uniform")
+
+
+def row_model_route(row: dict) -> ModelRoute:
+    """The calibrated route of the model a row ran (by its alias; the uniform route for another model)."""
+    from kvlocal.models import ALIASES
+
+    spec = ALIASES.get(row.get("model") or "")
+    return model_route(spec.sha256 if spec else None)
+
+
+def on_route(row: dict, route: ModelRoute) -> bool:
+    """Whether a row ran `route` as `kvlocal ask` runs it with no routing option, or is full attention or a
+    control at its budget: every scoring setting at its default, the automatic shortlist at the value it
+    takes for the row's document (a run given that number explicitly counts), the question read densely,
+    the document prefilled densely, no hints, the default sinks and window, not the retired estimate."""
+    if question_pass(row) != DEFAULT_QUESTION or (row.get("prefill") or "dense") != "dense":
+        return False
+    if row["mode"] == "full":
+        return True  # whatever route options a full row was written with: it reads every cell
+    if row.get("hints") or row.get("estimate"):
+        return False
+    if (row["top_k"], row.get("layer_top_k", "")) != (route.top_k, route.layer_top_k) or \
+            (row.get("sinks"), row.get("window")) != (DEFAULT_SINKS, DEFAULT_WINDOW):
+        return False
+    if row["mode"] != "geometric":
+        return True  # the controls read no centroids: their type and scoring do not matter
+    shortlist = row.get("shortlist", 0)
+    used = row.get("shortlist_used", shortlist) if shortlist == SHORTLIST_AUTO else shortlist
+    n_regions = -(-row["n_tokens"] // row.get("region", DEFAULT_REGION))
+    return (used == max(route.shortlist_floor, auto_shortlist(n_regions)) and block(row) == DEFAULT_CENTROID_BLOCK
+            and row.get("keep", 0.0) == DEFAULT_KEEP and row.get("pin", 0) == DEFAULT_PIN
+            and row.get("centroid_type", "f16") == route.centroid_type)
+
+
+def select(rows: list[dict], which: str) -> list[dict]:
+    """The rows of full attention, of one route and of the controls at its budget: `default`, the route
+    each row's model takes by default (route_settings.MODEL_ROUTES); `uniform`, the route of a model
+    without a calibrated one, whatever the model."""
+    if which not in SELECTIONS:
+        raise ValueError(f"unknown selection {which!r}; choose {' or '.join(SELECTIONS)}")
+    return [r for r in rows if on_route(r, row_model_route(r) if which == "default" else UNCALIBRATED_ROUTE)]
+
+
 def routes_markdown(entries: list[dict]) -> str:
     lines = ["| length | task | route | acc. outside window [95 % CI] (n) | same answer as full (n) "
              "| reduction: answer steps | reduction: question included | MiB per answer step: K/V + metadata "
@@ -518,23 +563,30 @@ def bench_markdown(runs: list[tuple[str, dict]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """`python -m kvlocal.evals.report results.jsonl ...`: one table over the rows of several runs;
     `--routes` first: one row per route (answer-step and total reductions side by side, paired with
-    full, what the wrong answers are); `--bench` first: the tables of `kvlocal bench --out` files."""
+    full, what the wrong answers are), `--routes --select default|uniform`: only full attention, that
+    route and its controls (`select`); `--bench` first: the tables of `kvlocal bench --out` files."""
     import sys
 
     from kvlocal.evals.runner import load_rows
 
     args = list(argv if argv is not None else sys.argv[1:])
     kind = args.pop(0) if args and args[0] in ("--routes", "--bench") else None
+    which = None
+    if kind == "--routes" and args[:1] == ["--select"]:
+        which = args[1] if len(args) > 1 else ""
+        args = args[2:]
+        if which not in SELECTIONS:
+            raise SystemExit(f"--select: choose {' or '.join(SELECTIONS)}")
     paths = [Path(a) for a in args]
     if not paths:
-        raise SystemExit("usage: python -m kvlocal.evals.report [--routes] RESULTS.jsonl [...]\n"
+        raise SystemExit("usage: python -m kvlocal.evals.report [--routes [--select default|uniform]] RESULTS.jsonl [...]\n"
                          "       python -m kvlocal.evals.report --bench BENCH.json [...]")
     if kind == "--bench":
         print(bench_markdown([(p.stem, json.loads(p.read_text())) for p in paths]))
         return
     rows = [r for p in paths for r in load_rows(p)]
     if kind == "--routes":
-        print(routes_markdown(routes(rows)))
+        print(routes_markdown(routes(select(rows, which) if which else rows)))
         return
     summary = summarize(rows)
     print(markdown(summary))
