@@ -22,6 +22,7 @@ import typer
 
 from kvlocal.route_settings import (
     CENTROID_BLOCKS,
+    DEFAULT_ATTENTION,
     DEFAULT_CENTROID_BLOCK,
     DEFAULT_CENTROID_TYPE,
     DEFAULT_HINTS,
@@ -161,6 +162,10 @@ QuestionPassOpt = Annotated[Optional[str], typer.Option(
     "--question-pass", rich_help_panel=ROUTING, show_default=f"{DEFAULT_QUESTION}; a set of documents: {LIBRARY_QUESTION}",
     help="How the question reads the document: dense (once, all of it), routed (once, --question-top-k "
     "regions) or steps (token by token, like the answer).")]
+AttentionOpt = Annotated[str, typer.Option(
+    "--attention", rich_help_panel=ROUTING, case_sensitive=False,
+    help="How a routed step reads its regions: auto (in place on a CUDA GPU, gathered elsewhere), gather (copy the "
+    "selected rows, then attend) or in-place (attend to the cache under a mask of the selected cells).")]
 QuestionTopKOpt = Annotated[int, typer.Option(
     "--question-top-k", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING, help="Regions a routed question pass reads.")]
 PrefillTopKOpt = Annotated[int, typer.Option(
@@ -191,6 +196,7 @@ class RouteOptions:
     centroid_type: CentroidTypeOpt = None  # None: the model's route
     question_pass: QuestionPassOpt = None
     question_top_k: QuestionTopKOpt = DEFAULT_QUESTION_TOP_K
+    attention: AttentionOpt = DEFAULT_ATTENTION
 
     def config(self, mode: str, seed: int = 0):
         """The core's RouteConfig of `mode` with these settings; UsageError (exit 2) unless the engine
@@ -202,7 +208,7 @@ class RouteOptions:
                             sinks=self.sinks, seed=seed, shortlist=self.shortlist, keep=self.keep,
                             question=_or(self.question_pass, DEFAULT_QUESTION), question_top_k=self.question_top_k,
                             pin=self.pin, hints=_or(self.hints, DEFAULT_HINTS),
-                            layer_top_k=_or(self.layer_top_k, DEFAULT_LAYER_TOP_K),
+                            layer_top_k=_or(self.layer_top_k, DEFAULT_LAYER_TOP_K), attention=self.attention.lower(),
                             follows_set=all(value is None for value in given),
                             follows_model=self.top_k is None and self.layer_top_k is None)
         check_region_block(self.region, self.centroid_block)

@@ -123,6 +123,7 @@ class RouteParamsC(ctypes.Structure):
         ("keep", ctypes.c_float),
         ("top_k_batch", ctypes.c_int32),
         ("n_pin", ctypes.c_int32),
+        ("attn", ctypes.c_int),  # enum llama_kv_route_attn
     ]
 
 

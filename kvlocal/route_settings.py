@@ -65,6 +65,10 @@ DEFAULT_KEEP = 0.9
 # answer is always decoded step by step through the route. Dense is the default because the question
 # is where routing lost look-alike facts (docs/experiments/uniform-route.md).
 QUESTION_PASSES = ("dense", "routed", "steps")
+# how a routed decode step's attention reads the selected regions (enum llama_kv_route_attn): auto is in
+# place where the engine's CUDA kernel reads only the selected cells, a gather of their rows elsewhere
+ATTENTION_PATHS = ("auto", "gather", "in-place")
+DEFAULT_ATTENTION = "auto"
 DEFAULT_QUESTION = "dense"
 DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's batch reads
 

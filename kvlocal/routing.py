@@ -12,8 +12,10 @@ import numpy as np
 from kvlocal.engine import RouteStatsC, llama_cpp, route_api
 from kvlocal.errors import UsageError
 from kvlocal.route_settings import (
+    ATTENTION_PATHS,
     CENTROID_BLOCKS,
     CENTROID_TYPES,
+    DEFAULT_ATTENTION,
     DEFAULT_HINTS,
     DEFAULT_LAYER_TOP_K,
     DEFAULT_KEEP,
@@ -60,6 +62,18 @@ class RouteMode(IntEnum):
 
 
 MODE_NAMES = {mode.name.lower(): mode for mode in RouteMode}
+
+
+class RouteAttention(IntEnum):
+    """enum llama_kv_route_attn (LLAMA_KV_ROUTE_ATTN_<name>): how a decode step reads its regions;
+    checked against llama.h like RouteMode."""
+
+    ATTN_AUTO = 0
+    ATTN_GATHER = 1
+    ATTN_IN_PLACE = 2
+
+
+ATTENTION_CODES = dict(zip(ATTENTION_PATHS, RouteAttention))
 
 
 class Fallback(IntEnum):
@@ -130,6 +144,7 @@ class RouteConfig:
     pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (0: none)
     hints: int = DEFAULT_HINTS  # regions the question's rarest words hint (kvlocal/hints.py; 0: none)
     layer_top_k: str = DEFAULT_LAYER_TOP_K  # e.g. "16-23=8": those layers' regions per step, the others top_k
+    attention: str = DEFAULT_ATTENTION  # how a step reads its regions: auto, gather or in-place (ATTENTION_PATHS)
     # top_k, hints and question were left at their defaults: a set of several documents answers with the
     # library route instead (for_set)
     follows_set: bool = False
@@ -148,6 +163,9 @@ class RouteConfig:
             raise UsageError(f"the region size must be a power of two that divides {MAX_REGION} (got {self.region})",
                              setting="region")
         # the engine takes these as 32-bit ints: a bigger value would wrap in ctypes, not fail
+        if self.attention not in ATTENTION_PATHS:
+            raise UsageError(f"the attention path must be one of {', '.join(ATTENTION_PATHS)} (got {self.attention!r})",
+                             setting="attention")
         if self.question not in QUESTION_PASSES:
             raise UsageError(f"the question pass must be one of {', '.join(QUESTION_PASSES)} (got {self.question!r})",
                              setting="question_pass")
@@ -284,6 +302,7 @@ class RouteConfig:
         params.keep = self.keep
         params.top_k_batch = batch_top_k
         params.n_pin = self.pins
+        params.attn = int(ATTENTION_CODES[self.attention])
         if api.llama_kv_route_set(ctx, params) != 0:
             blk = api.llama_kv_route_cent_blk(ctx)
             raise UsageError(f"the engine rejected the routing settings {self} (centroid block {blk})")
@@ -309,6 +328,8 @@ class RouteConfig:
             text += f", {self.pins} pinned by the question"
         if self.hinted:
             text += f", {self.hinted} hinted by the question's rarest words"
+        if self.attention != DEFAULT_ATTENTION:
+            text += f", attention {self.attention}"
         text += "; " + self.describe_question()
         return text
 

@@ -19,6 +19,11 @@ ROUTES = {
     "geometric (one level, no memory)": RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0, keep=0.0, pin=0),
     "window": RouteConfig(mode="window", top_k=3, region=64),
     "random": RouteConfig(mode="random", top_k=3, region=64),
+    # the paths a step can read its regions by (auto: in place on CUDA, gathered elsewhere)
+    "geometric, gathered": RouteConfig(mode="geometric", top_k=3, region=64, attention="gather"),
+    "geometric, in place": RouteConfig(mode="geometric", top_k=3, region=64, attention="in-place"),
+    "window, gathered": RouteConfig(mode="window", top_k=3, region=64, attention="gather"),
+    "window, in place": RouteConfig(mode="window", top_k=3, region=64, attention="in-place"),
 }
 
 

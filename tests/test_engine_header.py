@@ -27,19 +27,36 @@ spec.loader.exec_module(build_engine)
 
 
 def header_from_patches() -> str:
-    """The lines the patch series adds to include/llama.h, in order: every kvlocal declaration is
-    added whole, so its enums and structs read as they are in the patched header."""
-    out = []
+    """The kvlocal part of include/llama.h as the patch series writes it, in order: a hunk whose
+    context is kvlocal's own text (a field added to a struct an earlier patch added) is applied
+    in place; a hunk into llama.cpp's own text adds its lines at the end, so every enum and struct
+    reads as it does in the patched header."""
+    out: list[str] = []
     for patch in patch_files():
         if patch_root(patch) != "vendor/llama.cpp":
             continue
-        current = None
-        for line in patch.read_text().splitlines():
-            if line.startswith("diff --git "):
-                current = line.split(" b/", 1)[1]
-            elif current == HEADER and line.startswith("+") and not line.startswith("+++"):
-                out.append(line[1:])
+        current, hunk = None, []
+        for line in [*patch.read_text().splitlines(), "@@"]:
+            if line.startswith(("diff --git ", "@@")):
+                if current == HEADER and hunk:
+                    _apply_hunk(out, hunk)
+                hunk = []
+                if line.startswith("diff --git "):
+                    current = line.split(" b/", 1)[1]
+            elif current == HEADER and line[:1] in (" ", "+", "-") and not line.startswith(("+++", "---")):
+                hunk.append(line)
     return "\n".join(out)
+
+
+def _apply_hunk(out: list[str], hunk: list[str]) -> None:
+    """Apply one hunk to `out` where its old lines are found there, else append its added lines."""
+    old = [line[1:] for line in hunk if line[0] in " -"]
+    new = [line[1:] for line in hunk if line[0] in " +"]
+    for start in range(len(out) - len(old) + 1):
+        if old and out[start:start + len(old)] == old:
+            out[start:start + len(old)] = new
+            return
+    out.extend(line[1:] for line in hunk if line[0] == "+")
 
 
 def vendored_header() -> str | None:
@@ -96,6 +113,14 @@ def test_route_mode_mirrors_the_header(header):
     from kvlocal.routing import RouteMode
 
     assert c_enum(header, "llama_kv_route_mode") == {mode.name: mode.value for mode in RouteMode}
+
+
+def test_attention_paths_mirror_the_header(header):
+    from kvlocal.route_settings import ATTENTION_PATHS
+    from kvlocal.routing import ATTENTION_CODES, RouteAttention
+
+    assert c_enum(header, "llama_kv_route_attn") == {path.name: path.value for path in RouteAttention}
+    assert list(ATTENTION_CODES) == list(ATTENTION_PATHS)
 
 
 def test_fallback_reasons_mirror_the_header(header):

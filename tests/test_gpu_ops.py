@@ -135,13 +135,15 @@ def cuda_supports(n: dict) -> bool:
     if op == "SSM_CONV":  # the hybrid's recurrent layers: d_inner a multiple of the block of threads
         return s[0]["ne"][1] % 128 == 0
     return op in {"ADD", "SUB", "MUL", "SCALE", "REPEAT", "ARANGE", "POOL_2D", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX",
-                  "GATED_DELTA_NET"}
+                  "GATED_DELTA_NET", "FILL"}
 
 
 def metal_supports(n: dict) -> bool:
     op, s = n["op"], n["src"]
     if op in LAYOUT_OPS | {"SCALE", "ARANGE", "TOP_K"}:
         return True
+    if op == "FILL":  # contiguous f32/f16 rows
+        return s[0]["contiguous_rows"] and s[0]["type"] in {F32, F16}
     if op == "GET_ROWS":
         return True  # every type but NVFP4 / TQ1_0
     if op == "SET_ROWS":
@@ -201,6 +203,17 @@ def test_routed_graph_nodes_are_supported_on_cuda_and_metal(models, kv_type, cen
                                 n_batch=n_batch, centroid_type=centroid_type)
     routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent"))]
     assert routed, "the decode step did not take the routed path"
+    bad_cuda = [(n["op"], n["name"]) for n in nodes if not cuda_supports(n)]
+    bad_metal = [(n["op"], n["name"]) for n in nodes if not metal_supports(n)]
+    assert not bad_cuda, f"nodes CUDA would not run: {bad_cuda}"
+    assert not bad_metal, f"nodes Metal would not run: {bad_metal}"
+
+
+@pytest.mark.parametrize("mode", ["geometric", "window", "random"])
+def test_an_in_place_step_is_supported_on_cuda_and_metal(models, mode):
+    # the step that attends to the cache under a mask of its regions (the path a CUDA build takes)
+    nodes = record_decode_graph(models["qwen2"], F16, RouteConfig(mode=mode, top_k=3, region=64, attention="in-place"))
+    assert any(n["name"].startswith("kv_route_mask") for n in nodes), "the step did not attend in place"
     bad_cuda = [(n["op"], n["name"]) for n in nodes if not cuda_supports(n)]
     bad_metal = [(n["op"], n["name"]) for n in nodes if not metal_supports(n)]
     assert not bad_cuda, f"nodes CUDA would not run: {bad_cuda}"

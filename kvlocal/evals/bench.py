@@ -61,6 +61,7 @@ def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, 
 
 
 CONTROLS = ("window", "random")  # the controls, timed at the geometric route's budget
+GATHERED = "gather"  # the geometric route with its regions' rows gathered (RouteConfig.attention)
 PLAIN_LOOP = "llama.cpp loop"  # dense decoding by llama.cpp's own loop (Session.plain_loop)
 
 
@@ -77,14 +78,16 @@ def _plain_loop(session: Session, question: str, n_tokens: int, repeats: int) ->
 
 def _full_and_geometric(session: Session, question: str, route: RouteConfig, n_tokens: int, repeats: int,
                         log: Callable[[str], None], controls: bool = False,
-                        plain_loop: bool = False) -> dict[str, DecodeRun]:
+                        plain_loop: bool = False, gathered: bool = False) -> dict[str, DecodeRun]:
     """The answer steps' rate with full attention, then with `route`, back to back on the loaded state;
-    with `controls` also the window and random routes at `route`'s budget, with `plain_loop` llama.cpp's
-    own dense loop."""
+    with `controls` also the window and random routes at `route`'s budget, with `gathered` `route` with
+    its regions' rows gathered, with `plain_loop` llama.cpp's own dense loop."""
     runs = {}
-    for mode in ("full", "geometric", *(CONTROLS if controls else ())):
+    for mode in ("full", "geometric", *((GATHERED,) if gathered else ()), *(CONTROLS if controls else ())):
         if mode == "full":
             r = RouteConfig(mode="full", question=route.question)
+        elif mode == GATHERED:
+            r = replace(session.route_for(route), attention="gather")
         else:
             r = route if mode == "geometric" else replace(session.route_for(route), mode=mode)
         runs[mode] = _decode(session, question, r, n_tokens, repeats)
@@ -112,14 +115,14 @@ def _haystack(session: Session, length: int) -> str:
 
 def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n_tokens: int = 48,
                   repeats: int = 2, log: Callable[[str], None] = print, controls: bool = False,
-                  plain_loop: bool = False) -> list[LengthResult]:
+                  plain_loop: bool = False, gathered: bool = False) -> list[LengthResult]:
     results = []
     for length in lengths:
         loaded = session.load_document(_haystack(session, length), label=f"bench {length}")
         log(f"bench {length}: {loaded.n_tokens:,} tokens ({'cache hit' if loaded.cache_hit else 'prefilled'})")
         question = "Write a detailed summary of the document, section by section."
         res = LengthResult(length, loaded.n_tokens, session.kv_bytes())
-        res.runs = _full_and_geometric(session, question, route, n_tokens, repeats, log, controls, plain_loop)
+        res.runs = _full_and_geometric(session, question, route, n_tokens, repeats, log, controls, plain_loop, gathered)
         results.append(res)
     return results
 
@@ -252,7 +255,7 @@ def length_fields(result: LengthResult, weights_bytes: int) -> dict:
            "full_tps": full.rate, "geometric_tps": geo.rate, "speedup": result.speedup,
            "bytes_reduction": geo.bytes_dense / max(1, geo.bytes_read),
            "ceiling": read_ceiling(weights_bytes, geo, full)}
-    for mode in CONTROLS:
+    for mode in (GATHERED, *CONTROLS):
         if mode in result.runs:
             run = result.runs[mode]
             row[f"{mode}_tps"] = run.rate
@@ -269,10 +272,10 @@ def decode_table(report: dict) -> str:
     from kvlocal.units import human_bytes
 
     rows = report["lengths"]
-    controls = [m for m in CONTROLS if rows and f"{m}_tps" in rows[0]]
+    controls = [m for m in (GATHERED, *CONTROLS) if rows and f"{m}_tps" in rows[0]]
     plain = bool(rows) and "plain_loop_tps" in rows[0]
     head = ["context", "KV bytes", "full tok/s", "geometric tok/s", "speedup (ceiling)", "KV bytes read, reduction"]
-    head += [f"{m} tok/s (x full)" for m in controls] + (["llama.cpp loop tok/s (full / it)"] if plain else [])
+    head += [f"{'geometric, gathered' if m == GATHERED else m} tok/s (x full)" for m in controls] + (["llama.cpp loop tok/s (full / it)"] if plain else [])
     lines = [f"model {report['model']} ({report.get('weights', '?')}), {report.get('backend', 'CPU')} "
              f"{report.get('device', '')}".rstrip() + f", {report['threads']} threads, route {report['route']}",
              "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
