@@ -7,7 +7,7 @@ JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
 ENGINE_STAMP := $(VENV)/.engine-$(BACKEND)-$(shell $(PY) vendor/build_engine.py --print-id 2>/dev/null)
 BACKEND_OPS  := vendor/build/tests-cpu/test-backend-ops
 
-.PHONY: setup demo test test-fast engine backend-ops device-pack vulkan-check clean
+.PHONY: setup demo test test-fast engine backend-ops device-pack cuda-pack vulkan-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,18 @@ test-fast: setup
 # trimmed (about 6 MB), and wheels for Python 3.12 (see .ci/device-pack)
 device-pack: $(VENV)/.deps
 	PY=$(BIN)/python .ci/device-pack
+
+# the same with the CUDA engine compiled here (no GPU needed: a CUDA toolkit from the registry's NVIDIA wheels,
+# .ci/cuda-toolkit) and test-backend-ops linked against it, so the GPU machine compiles nothing (~1 h on 2 cores)
+CUDA_TOOLKIT ?= vendor/build/cuda-toolkit
+CUDA_ARCH    ?= 90
+cuda-pack: $(VENV)/.deps
+	.ci/cuda-toolkit $(CUDA_TOOLKIT)
+	rm -rf vendor/build/cuda-wheel
+	CUDAToolkit_ROOT=$(abspath $(CUDA_TOOLKIT)) $(BIN)/python vendor/build_engine.py --backend cuda --cuda-arch $(CUDA_ARCH) \
+		--jobs $(JOBS) --wheel vendor/build/cuda-wheel
+	CUDA_WHEEL=$$(ls vendor/build/cuda-wheel/llama_cpp_python-*.whl) CUDAToolkit_ROOT=$(abspath $(CUDA_TOOLKIT)) \
+		PY=$(BIN)/python .ci/device-pack
 
 # the routed engine on Vulkan through Mesa's lavapipe (docs/gpu.md; ~40 minutes on 2 cores, not in .ci/run)
 vulkan-check:
