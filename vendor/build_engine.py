@@ -320,7 +320,10 @@ def install(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: 
     if res.returncode != 0:
         die("pip install of the patched engine failed (see the log above)")
     if wheel_dir:
-        say(f"wheel written to {wheel_dir}")
+        wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl"), key=lambda w: w.stat().st_mtime)
+        engine = wheel_dir / f"llama-cpp-python-{backend}-engine.tar.xz"
+        engine_tarball(wheels[-1], engine)
+        say(f"wheel written to {wheels[-1]}, and the package alone to {engine} ({engine.stat().st_size / 1e6:.1f} MB)")
         return
     # the package was installed without resolving its dependencies (so pip never rebuilds or
     # replaces anything else); install them from its metadata now
@@ -328,6 +331,31 @@ def install(tree: Path, backend: str, cuda_arch: str | None, jobs: int, set_id: 
                 if line.startswith("Requires-Dist:") and "extra ==" not in line]
     if requires:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requires], check=True, stdout=sys.stderr)
+
+
+def engine_tarball(wheel: Path, out: Path) -> None:
+    """The engine package of `wheel` (llama_cpp/ and its dist-info) as a tar.xz to unpack into a
+    site-packages: a wheel stores each library's SONAME links as copies (three of a 60 MB
+    libggml-cuda), the tarball stores them as links, which the device tool's size limit needs."""
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory(prefix="kvlocal-engine-") as tmp:
+        with zipfile.ZipFile(wheel) as z:
+            members = [n for n in z.namelist() if n.startswith(("llama_cpp/", "llama_cpp_python-"))]
+            z.extractall(tmp, members)
+        lib = Path(tmp) / "llama_cpp" / "lib"
+        for real in sorted(lib.glob("lib*.so.*.*.*")):  # libggml-cuda.so.0.25.3: the file; .so.0 and .so link to it
+            stem = real.name.split(".so.")[0]
+            major = real.name.split(".so.")[1].split(".")[0]
+            for link, target in ((f"{stem}.so.{major}", real.name), (f"{stem}.so", f"{stem}.so.{major}")):
+                (lib / link).unlink(missing_ok=True)
+                (lib / link).symlink_to(target)
+        tmp_out = out.with_name(out.name + ".tmp")
+        with tarfile.open(tmp_out, "w:xz") as tar:
+            for top in sorted(p.name for p in Path(tmp).iterdir()):
+                tar.add(Path(tmp) / top, arcname=top)
+        os.replace(tmp_out, out)
 
 
 def build_backend_ops_tests(tree: Path, jobs: int, set_id: str) -> Path:
