@@ -833,7 +833,7 @@ def bench(
     ttft: Annotated[bool, typer.Option("--ttft/--no-ttft", help="Also time the first answer token of a 4k document, prefilled and from the cache.")] = True,
     controls: Annotated[bool, typer.Option("--controls", help="Also time the window and random routes at the geometric route's budget.")] = False,
     plain_loop: Annotated[bool, typer.Option("--plain-loop", help="Also time llama.cpp's own dense decoding loop on the same state (the reference for kvlocal's loop).")] = False,
-    gathered: Annotated[bool, typer.Option("--gathered", help="Also time the geometric route with its regions' K/V rows gathered (--attention gather), beside the path --attention chose.")] = False,
+    other_attention: Annotated[bool, typer.Option("--other-attention", help="Also time the geometric route read by the other attention path than --attention's (in place, or gathered).")] = False,
     prefill_lengths: Annotated[str, typer.Option("--prefill-lengths", rich_help_panel=PREFILL, help="Lengths prefilled twice, dense then routed, neither from the cache; none: skip (32k dense: ~30 min on 2 cores).")] = "8k,16k,32k",
     prefilling: PrefillOptions = PrefillOptions(),
     library: LibraryOpt = "",
@@ -844,6 +844,7 @@ def bench(
 
     from kvlocal.atomic import write_text_atomic
     from kvlocal.evals import bench as b
+    from kvlocal.evals.report import decode_table
     from kvlocal.evals.runner import make_case
     from kvlocal.units import human_bytes
 
@@ -860,7 +861,7 @@ def bench(
     _check_lengths_fit(session, context_lengths + prefill_context)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log, controls=controls,
-                              plain_loop=plain_loop, gathered=gathered)
+                              plain_loop=plain_loop, other_attention=other_attention)
     prefills = b.bench_prefill(session, prefill_context, prefill_cfg, log=log)
     small = make_case(session, "passkey", 4096, [0.5], 1) if ttft or upkeep else None  # the 4k document
     first_token = (b.time_to_first_token(session, small.text, route, small.probes[0].question) if ttft
@@ -879,7 +880,7 @@ def bench(
     session.close()
     if upkeep:
         report["centroid_upkeep"] = b.centroid_upkeep_share(model, small.text, threads, routing.centroid_block)
-    print(b.decode_table(report))
+    print(decode_table(report))
     if prefills:
         print()
         print(f"prefill, dense vs {report['prefill']}:")

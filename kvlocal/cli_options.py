@@ -164,8 +164,9 @@ QuestionPassOpt = Annotated[Optional[str], typer.Option(
     "regions) or steps (token by token, like the answer).")]
 AttentionOpt = Annotated[str, typer.Option(
     "--attention", rich_help_panel=ROUTING, case_sensitive=False,
-    help="How a routed step reads its regions: auto (in place on a CUDA GPU, gathered elsewhere), gather (copy the "
-    "selected rows, then attend) or in-place (attend to the cache under a mask of the selected cells).")]
+    help="How a routed step reads its regions: gather (copy the selected rows, then attend), in-place (attend to "
+    "the cache under a mask of the selected cells, read sparsely by CUDA's kernel) or auto (in place on a CUDA GPU, "
+    "gathered elsewhere).")]
 QuestionTopKOpt = Annotated[int, typer.Option(
     "--question-top-k", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING, help="Regions a routed question pass reads.")]
 PrefillTopKOpt = Annotated[int, typer.Option(

@@ -66,9 +66,10 @@ DEFAULT_KEEP = 0.9
 # is where routing lost look-alike facts (docs/experiments/uniform-route.md).
 QUESTION_PASSES = ("dense", "routed", "steps")
 # how a routed decode step's attention reads the selected regions (enum llama_kv_route_attn): auto is in
-# place where the engine's CUDA kernel reads only the selected cells, a gather of their rows elsewhere
+# place where the engine's CUDA kernel reads only the selected cells, a gather of their rows elsewhere.
+# The gather stays the default: on a GPU in place was no faster (BENCHMARKS.md, "GPU")
 ATTENTION_PATHS = ("auto", "gather", "in-place")
-DEFAULT_ATTENTION = "auto"
+DEFAULT_ATTENTION = "gather"
 DEFAULT_QUESTION = "dense"
 DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's batch reads
 

@@ -24,7 +24,7 @@ from kvlocal.errors import UsageError
 
 SHARED = ("ask", "tui", "eval", "bench", "demo")  # commands whose options are the shared ones (lab has its own)
 ROUTING_OPTIONS = {"--top-k", "--region", "--window", "--sinks", "--shortlist", "--keep", "--pin", "--hints", "--layer-top-k",
-                   "--centroid-block", "--centroid-type", "--seed", "--question-pass", "--question-top-k"}
+                   "--centroid-block", "--centroid-type", "--seed", "--question-pass", "--question-top-k", "--attention"}
 PREFILL_OPTIONS = {"--prefill", "--prefill-top-k", "--prefill-from", "--prefill-ubatch"}
 
 

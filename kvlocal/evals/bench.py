@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from kvlocal.evals.report import ATTENTION_LABELS
 from kvlocal.evals.runner import DEFAULT_DEPTHS, make_case
 from kvlocal.routing import PrefillConfig, RouteConfig
 from kvlocal.session import Session
@@ -61,7 +62,6 @@ def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, 
 
 
 CONTROLS = ("window", "random")  # the controls, timed at the geometric route's budget
-GATHERED = "gather"  # the geometric route with its regions' rows gathered (RouteConfig.attention)
 PLAIN_LOOP = "llama.cpp loop"  # dense decoding by llama.cpp's own loop (Session.plain_loop)
 
 
@@ -78,16 +78,17 @@ def _plain_loop(session: Session, question: str, n_tokens: int, repeats: int) ->
 
 def _full_and_geometric(session: Session, question: str, route: RouteConfig, n_tokens: int, repeats: int,
                         log: Callable[[str], None], controls: bool = False,
-                        plain_loop: bool = False, gathered: bool = False) -> dict[str, DecodeRun]:
+                        plain_loop: bool = False, other_attention: bool = False) -> dict[str, DecodeRun]:
     """The answer steps' rate with full attention, then with `route`, back to back on the loaded state;
-    with `controls` also the window and random routes at `route`'s budget, with `gathered` `route` with
-    its regions' rows gathered, with `plain_loop` llama.cpp's own dense loop."""
+    with `controls` also the window and random routes at `route`'s budget, with `other_attention` `route`
+    read by the other attention path (gathered, or in place), with `plain_loop` llama.cpp's own dense loop."""
     runs = {}
-    for mode in ("full", "geometric", *((GATHERED,) if gathered else ()), *(CONTROLS if controls else ())):
+    other = "in-place" if route.attention == "gather" else "gather"
+    for mode in ("full", "geometric", *((other,) if other_attention else ()), *(CONTROLS if controls else ())):
         if mode == "full":
             r = RouteConfig(mode="full", question=route.question)
-        elif mode == GATHERED:
-            r = replace(session.route_for(route), attention="gather")
+        elif mode in ATTENTION_LABELS:
+            r = replace(session.route_for(route), attention=mode)
         else:
             r = route if mode == "geometric" else replace(session.route_for(route), mode=mode)
         runs[mode] = _decode(session, question, r, n_tokens, repeats)
@@ -115,14 +116,15 @@ def _haystack(session: Session, length: int) -> str:
 
 def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n_tokens: int = 48,
                   repeats: int = 2, log: Callable[[str], None] = print, controls: bool = False,
-                  plain_loop: bool = False, gathered: bool = False) -> list[LengthResult]:
+                  plain_loop: bool = False, other_attention: bool = False) -> list[LengthResult]:
     results = []
     for length in lengths:
         loaded = session.load_document(_haystack(session, length), label=f"bench {length}")
         log(f"bench {length}: {loaded.n_tokens:,} tokens ({'cache hit' if loaded.cache_hit else 'prefilled'})")
         question = "Write a detailed summary of the document, section by section."
         res = LengthResult(length, loaded.n_tokens, session.kv_bytes())
-        res.runs = _full_and_geometric(session, question, route, n_tokens, repeats, log, controls, plain_loop, gathered)
+        res.runs = _full_and_geometric(session, question, route, n_tokens, repeats, log, controls, plain_loop,
+                                       other_attention)
         results.append(res)
     return results
 
@@ -255,7 +257,7 @@ def length_fields(result: LengthResult, weights_bytes: int) -> dict:
            "full_tps": full.rate, "geometric_tps": geo.rate, "speedup": result.speedup,
            "bytes_reduction": geo.bytes_dense / max(1, geo.bytes_read),
            "ceiling": read_ceiling(weights_bytes, geo, full)}
-    for mode in (GATHERED, *CONTROLS):
+    for mode in (*ATTENTION_LABELS, *CONTROLS):
         if mode in result.runs:
             run = result.runs[mode]
             row[f"{mode}_tps"] = run.rate
@@ -265,25 +267,3 @@ def length_fields(result: LengthResult, weights_bytes: int) -> dict:
         row["plain_loop_tps"] = result.runs[PLAIN_LOOP].rate
         row["full_vs_plain_loop"] = full.rate / row["plain_loop_tps"] if row["plain_loop_tps"] else 0.0
     return row
-
-
-def decode_table(report: dict) -> str:
-    """The bench report's decode rows as a Markdown table (the columns its rows have)."""
-    from kvlocal.units import human_bytes
-
-    rows = report["lengths"]
-    controls = [m for m in (GATHERED, *CONTROLS) if rows and f"{m}_tps" in rows[0]]
-    plain = bool(rows) and "plain_loop_tps" in rows[0]
-    head = ["context", "KV bytes", "full tok/s", "geometric tok/s", "speedup (ceiling)", "KV bytes read, reduction"]
-    head += [f"{'geometric, gathered' if m == GATHERED else m} tok/s (x full)" for m in controls] + (["llama.cpp loop tok/s (full / it)"] if plain else [])
-    lines = [f"model {report['model']} ({report.get('weights', '?')}), {report.get('backend', 'CPU')} "
-             f"{report.get('device', '')}".rstrip() + f", {report['threads']} threads, route {report['route']}",
-             "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-    for r in rows:
-        cells = [f"{r['n_tokens']:,}", human_bytes(r["kv_bytes"]), f"{r['full_tps']:.2f}", f"{r['geometric_tps']:.2f}",
-                 f"{r['speedup']:.2f}x ({r.get('ceiling', 0):.2f}x)", f"{r['bytes_reduction']:.1f}x"]
-        cells += [f"{r[f'{m}_tps']:.2f} ({r[f'{m}_speedup']:.2f}x)" for m in controls]
-        if plain:
-            cells.append(f"{r['plain_loop_tps']:.2f} ({r['full_vs_plain_loop']:.2f}x)")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)

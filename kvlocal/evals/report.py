@@ -9,6 +9,7 @@ from pathlib import Path
 from statistics import mean
 
 from kvlocal.atomic import write_text_atomic
+from kvlocal.units import human_bytes
 from kvlocal.evals.runner import block, hint_rule, question_pass
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_LAYER_TOP_K, DEFAULT_PIN, DEFAULT_QUESTION,
@@ -560,17 +561,42 @@ def bench_markdown(runs: list[tuple[str, dict]]) -> str:
 
 
 
+# `kvlocal bench`'s extra decode runs: the other attention path, the controls (kvlocal.evals.bench)
+ATTENTION_LABELS = {"gather": "geometric, gathered", "in-place": "geometric, in place"}
+
+
+def decode_table(report: dict) -> str:
+    """The bench report's decode rows as a Markdown table (the columns its rows have)."""
+    rows = report["lengths"]
+    controls = [m for m in (*ATTENTION_LABELS, "window", "random") if rows and f"{m}_tps" in rows[0]]
+    plain = bool(rows) and "plain_loop_tps" in rows[0]
+    head = ["context", "KV bytes", "full tok/s", "geometric tok/s", "speedup (ceiling)", "KV bytes read, reduction"]
+    head += [f"{ATTENTION_LABELS.get(m, m)} tok/s (x full)" for m in controls] + (["llama.cpp loop tok/s (full / it)"] if plain else [])
+    lines = [f"model {report['model']} ({report.get('weights', '?')}), {report.get('backend', 'CPU')} "
+             f"{report.get('device', '')}".rstrip() + f", {report['threads']} threads, route {report['route']}",
+             "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in rows:
+        cells = [f"{r['n_tokens']:,}", human_bytes(r["kv_bytes"]), f"{r['full_tps']:.2f}", f"{r['geometric_tps']:.2f}",
+                 f"{r['speedup']:.2f}x ({r.get('ceiling', 0):.2f}x)", f"{r['bytes_reduction']:.1f}x"]
+        cells += [f"{r[f'{m}_tps']:.2f} ({r[f'{m}_speedup']:.2f}x)" for m in controls]
+        if plain:
+            cells.append(f"{r['plain_loop_tps']:.2f} ({r['full_vs_plain_loop']:.2f}x)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m kvlocal.evals.report results.jsonl ...`: one table over the rows of several runs;
     `--routes` first: one row per route (answer-step and total reductions side by side, paired with
     full, what the wrong answers are), `--routes --select default|uniform`: only full attention, that
-    route and its controls (`select`); `--bench` first: the tables of `kvlocal bench --out` files."""
+    route and its controls (`select`); `--bench` first: the tables of `kvlocal bench --out` files;
+    `--decode` first: each bench file's decode table as `kvlocal bench` prints it (every mode it timed)."""
     import sys
 
     from kvlocal.evals.runner import load_rows
 
     args = list(argv if argv is not None else sys.argv[1:])
-    kind = args.pop(0) if args and args[0] in ("--routes", "--bench") else None
+    kind = args.pop(0) if args and args[0] in ("--routes", "--bench", "--decode") else None
     which = None
     if kind == "--routes" and args[:1] == ["--select"]:
         which = args[1] if len(args) > 1 else ""
@@ -583,6 +609,9 @@ def main(argv: list[str] | None = None) -> None:
                          "       python -m kvlocal.evals.report --bench BENCH.json [...]")
     if kind == "--bench":
         print(bench_markdown([(p.stem, json.loads(p.read_text())) for p in paths]))
+        return
+    if kind == "--decode":
+        print("\n\n".join(decode_table(json.loads(p.read_text())) for p in paths))
         return
     rows = [r for p in paths for r in load_rows(p)]
     if kind == "--routes":
