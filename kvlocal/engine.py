@@ -1,19 +1,31 @@
-"""The patched llama.cpp engine: import it, tell a patched build from a stock one, bind our C API.
+"""The patched llama.cpp engine: import it, tell a patched build from a stock one, bind our C API,
+and `EngineContext`, the one interface to a model and its context.
 
-Only this module and the session import llama_cpp; nothing else reaches into the engine.
+This is the only module that imports llama_cpp or calls the C API (llama_*, ggml_*): decoding, the
+KV memory of every sequence (state, removal, copy, shift), the route settings and read statistics,
+logits and token pieces, and the lab's graph callbacks. The session, the library, the routing
+settings and the lab call methods here; tests/test_engine_boundary.py keeps it so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.metadata
 import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
-from kvlocal.errors import EngineError
+import numpy as np
+
+from kvlocal.errors import EngineError, UsageError
+from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
 from kvlocal.patchset import repo_patchset_id
+from kvlocal.routing import ATTENTION_CODES, ReadStats, RouteConfig, RouteMode
 
 ENGINE_VERSION = "0.3.36"
 BUILD_HINT = "build it with: python vendor/build_engine.py"
@@ -150,8 +162,6 @@ class RouteStatsC(ctypes.Structure):
 
 def _lib_beside_llama(name: str) -> ctypes.CDLL:
     """The ggml library `name` ("ggml-base", "ggml") that the loaded libllama sits beside."""
-    from pathlib import Path
-
     lib_dir = Path(llama_cpp().llama_cpp._lib._name).parent
     found = sorted(lib_dir.glob(f"lib{name}.so*")) + sorted(lib_dir.glob(f"lib{name}.dylib")) + sorted(
         lib_dir.glob(f"{name}.dll"))
@@ -288,3 +298,346 @@ def greedy_loop_seconds(ctx: ctypes.c_void_p, first_token: int, n_tokens: int) -
         return decoded, time.perf_counter() - start
     finally:
         module.llama_sampler_free(sampler)
+
+
+# -- routing on a context -------------------------------------------------------------------------
+# These take a raw `llama_context *`: EngineContext calls them on its own, and the tests' probes
+# (tests/engine_probe.py) on contexts they made with the C API.
+
+def apply_route(ctx: ctypes.c_void_p, route: RouteConfig, *, batch_top_k: int = 0) -> None:
+    """Set the context's routing to `route`. A batch of several tokens routes to `batch_top_k` regions,
+    or reads densely with 0 (the default, so a document's prefill stays dense). An automatic shortlist
+    follows what the context holds now (the session resolves it once per answer)."""
+    module = llama_cpp()
+    n_cells = module.llama_memory_seq_pos_max(module.llama_get_memory(ctx), 0) + 1
+    api = route_api()
+    params = api.llama_kv_route_default_params()
+    params.mode = int(route.route_mode)
+    params.region_size = route.region
+    params.top_k = route.top_k
+    params.n_window = route.window
+    params.n_sink = route.sinks
+    params.seed = route.seed & 0xFFFFFFFF
+    params.n_shortlist = route.for_document(max(0, n_cells)).shortlist
+    params.keep = route.keep
+    params.top_k_batch = batch_top_k
+    params.n_pin = route.pins
+    params.attn = int(ATTENTION_CODES[route.attention])
+    if api.llama_kv_route_set(ctx, params) != 0:
+        blk = api.llama_kv_route_cent_blk(ctx)
+        raise UsageError(f"the engine rejected the routing settings {route} (centroid block {blk})")
+    budgets = route.layer_budgets(module.llama_model_n_layer(module.llama_get_model(ctx)))
+    array = (ctypes.c_int32 * len(budgets))(*budgets)
+    if api.llama_kv_route_set_layer_top_k(ctx, array, len(budgets)) != 0:
+        raise UsageError(f"the engine rejected the budgets per layer {route.layer_top_k!r}", setting="layer_top_k")
+
+
+def read_stats(ctx: ctypes.c_void_p, *, with_regions: bool = True) -> ReadStats | None:
+    """The statistics of the context's last ubatch (a decode step, or a batch read at once), or None
+    before the first one."""
+    api = route_api()
+    raw = RouteStatsC()
+    if api.llama_kv_route_get_stats(ctx, ctypes.byref(raw)) != 0:
+        return None
+    stats = ReadStats(
+        mode=RouteMode(raw.mode), **{name: getattr(raw, name) for name, _ in RouteStatsC._fields_ if name != "mode"}
+    )
+    if with_regions and raw.n_layer_routed:
+        n = api.llama_kv_route_get_regions(ctx, None, 0)
+        regions = np.zeros(n, np.int32)
+        api.llama_kv_route_get_regions(ctx, regions.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
+        layers = np.zeros(raw.n_layer_routed, np.int32)
+        api.llama_kv_route_get_layers(ctx, layers.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(layers))
+        stats.layers = layers
+        stats.regions = regions.reshape(raw.n_layer_routed, raw.n_head_kv, raw.n_sel)
+    return stats
+
+
+# -- one model and its context ----------------------------------------------------------------------
+
+_SEQUENCES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _context_sequences(n_seq_max: int) -> Iterator[None]:
+    """While a Llama is built: its context parameters ask for `n_seq_max` sequences in one unified KV
+    cache (llama-cpp-python's Llama takes neither; it reads llama_context_default_params when built)."""
+    if n_seq_max <= 1:
+        yield
+        return
+    bindings = llama_cpp().llama_cpp  # what llama_cpp.llama.Llama calls
+
+    with _SEQUENCES_LOCK:
+        original = bindings.llama_context_default_params
+
+        def with_sequences():
+            params = original()
+            params.n_seq_max = n_seq_max
+            params.kv_unified = True
+            return params
+
+        bindings.llama_context_default_params = with_sequences
+        try:
+            yield
+        finally:
+            bindings.llama_context_default_params = original
+
+
+class EngineContext:
+    """A model and its llama.cpp context (a llama-cpp-python Llama), and the one interface to them:
+    tokens in and out, decoding, the KV memory of each sequence, routing and its statistics.
+
+    Mutation goes through here alone, in the spirit of llama.cpp's llama_memory_i: `decode` appends
+    to sequence 0 at `n_tokens` (the next position); `clear`, `truncate`, `remove_positions`,
+    `copy_sequence`, `shift_sequence` and `load_state` change the memory, and `continue_at` /
+    `mark_tokens` set where the next decode goes and which tokens the cells hold. A context opened
+    `vocab_only` has the vocabulary and the model's header but no weights: it tokenizes."""
+
+    def __init__(self, llm, centroid_type: str) -> None:
+        self._llm = llm
+        self.centroid_type = centroid_type  # the type its KV cache keeps the key centroids in
+        self._vocab = llama_cpp().llama_model_get_vocab(llm.model)
+
+    @classmethod
+    def open(cls, model_path: Path, *, n_batch: int, threads: int, kv_type: str, centroid_block: int,
+             centroid_type: str, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1) -> EngineContext:
+        """Load the model at `model_path` with a context of `n_ctx` cells; with `n_seq_max` > 1 the context
+        holds that many sequences in one unified KV cache (one stream: copying a sequence shares its
+        cells), which Llama's constructor cannot ask for."""
+        module = llama_cpp()
+        gpu = bool(module.llama_supports_gpu_offload())
+        with _context_sequences(n_seq_max):
+            try:
+                llm = module.Llama(
+                    model_path=str(model_path),
+                    vocab_only=vocab_only,
+                    n_ctx=n_ctx,
+                    n_batch=n_batch,
+                    n_ubatch=n_batch,
+                    n_threads=threads,
+                    n_threads_batch=threads,
+                    n_gpu_layers=-1 if gpu else 0,
+                    flash_attn=True,  # routed decoding needs the non-transposed V cache
+                    type_k=KV_TYPES[kv_type],
+                    type_v=KV_TYPES[kv_type],
+                    kv_centroid_block=centroid_block,  # fixed for the context's KV cache
+                    kv_centroid_type=KV_TYPES[centroid_type],  # and its type
+                    verbose=False,
+                )
+            except (ValueError, RuntimeError) as err:
+                raise EngineError(f"llama.cpp could not load {model_path.name}: {err}") from None
+        return cls(llm, centroid_type)
+
+    # -- the model ------------------------------------------------------------------------
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The model file's GGUF metadata."""
+        return self._llm.metadata
+
+    @property
+    def recurrent(self) -> bool:
+        """The model keeps recurrent memory (a state per sequence, not per cell)."""
+        return bool(llama_cpp().llama_model_is_recurrent(self._llm.model))
+
+    @property
+    def hybrid(self) -> bool:
+        """The model has recurrent and attention layers."""
+        return bool(llama_cpp().llama_model_is_hybrid(self._llm.model))
+
+    @property
+    def n_swa(self) -> int:
+        """The sliding window of the model's sliding-window layers (0: none, or a vocabulary-only context)."""
+        return int(llama_cpp().llama_model_n_swa(self._llm.model))
+
+    @property
+    def n_vocab(self) -> int:
+        return self._llm.n_vocab()
+
+    @property
+    def n_ctx(self) -> int:
+        """Cells the context holds."""
+        return self._llm.n_ctx()
+
+    @property
+    def raw_context(self) -> ctypes.c_void_p:
+        """The `llama_context *`, for tests that drive the C API themselves (kvlocal calls the methods)."""
+        return self._llm.ctx
+
+    @property
+    def raw_model(self) -> ctypes.c_void_p:
+        """The `llama_model *`, for tests that drive the C API themselves."""
+        return self._llm.model
+
+    # -- tokens ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
+        """Token ids of `text`; control-token spellings in it stay plain text unless `special`."""
+        return self._llm.tokenize(text.encode(), add_bos=bos, special=special)
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> bytes:
+        return self._llm.detokenize(list(tokens), special=special)
+
+    def piece_lengths(self, tokens: Iterable[int]) -> dict[int, int]:
+        """The byte length of each distinct token's piece as the vocabulary spells it (control tokens
+        not rendered)."""
+        module = llama_cpp()
+        buf = ctypes.create_string_buffer(256)
+        return {token: abs(module.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False))
+                for token in set(tokens)}
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(llama_cpp().llama_vocab_is_eog(self._vocab, token))
+
+    # -- decoding -------------------------------------------------------------------------
+
+    @property
+    def n_tokens(self) -> int:
+        """The position the next `decode` starts at."""
+        return self._llm.n_tokens
+
+    def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
+        """The tokens decoded (or marked) at positions [start, end)."""
+        return [int(t) for t in self._llm.input_ids[start:end]]
+
+    def decode(self, tokens: Sequence[int]) -> None:
+        """Decode `tokens` into sequence 0 from `n_tokens` on (in batches of the context's n_batch)."""
+        self._llm.eval(tokens)
+
+    def last_logits(self) -> np.ndarray:
+        """The logits of the last token decoded: a view valid until the next decode (copy it to keep it)."""
+        logits = llama_cpp().llama_get_logits_ith(self._llm.ctx, -1)
+        return np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+
+    def continue_at(self, position: int) -> None:
+        """The next `decode` starts at `position` (the cells already there stay)."""
+        self._llm.n_tokens = position
+
+    def mark_tokens(self, tokens: Sequence[int]) -> None:
+        """Record that positions [0, len(tokens)) hold `tokens` (after a state load); decoding goes on after them."""
+        self._llm.input_ids[: len(tokens)] = tokens
+        self._llm.n_tokens = len(tokens)
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def _memory(self):
+        module = llama_cpp()
+        return module, module.llama_get_memory(self._llm.ctx)
+
+    def clear(self) -> None:
+        """Empty every sequence (llama_memory_clear, data included); the next decode starts at 0."""
+        module, mem = self._memory()
+        module.llama_memory_clear(mem, True)
+        self._llm.n_tokens = 0
+
+    def truncate(self, position: int) -> None:
+        """Drop sequence 0's cells from `position` on; the next decode starts there."""
+        self.remove_positions(0, position, -1)
+        self._llm.n_tokens = position
+
+    def remove_positions(self, seq: int, start: int = -1, end: int = -1) -> None:
+        """Drop the cells of sequence `seq` at positions [start, end) (-1: from the first, to the last)."""
+        module, mem = self._memory()
+        module.llama_memory_seq_rm(mem, seq, start, end)
+
+    def copy_sequence(self, source: int, dest: int) -> None:
+        """Share every cell of sequence `source` with sequence `dest`."""
+        module, mem = self._memory()
+        module.llama_memory_seq_cp(mem, source, dest, -1, -1)
+
+    def shift_sequence(self, seq: int, delta: int) -> None:
+        """Move every position of sequence `seq` by `delta` (the keys are re-roped at the next decode)."""
+        module, mem = self._memory()
+        module.llama_memory_seq_add(mem, seq, -1, -1, delta)
+
+    def state_size(self, seq: int = 0) -> int:
+        """Bytes of the state of sequence `seq` (what a saved state stores)."""
+        return int(llama_cpp().llama_state_seq_get_size(self._llm.ctx, seq))
+
+    def state(self, seq: int = 0) -> bytes:
+        """The state of sequence `seq`: its cells' positions, keys and values (and recurrent state)."""
+        module = llama_cpp()
+        size = module.llama_state_seq_get_size(self._llm.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        if module.llama_state_seq_get_data(self._llm.ctx, buf, size, seq) != size:
+            raise EngineError("could not read the KV state from the engine")
+        return bytes(buf)
+
+    def load_state(self, state: bytes, seq: int = 0) -> bool:
+        """Load a state (from `state`) into sequence `seq`; whether the engine took all of it."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        return llama_cpp().llama_state_seq_set_data(self._llm.ctx, buf, len(state), seq) == len(state)
+
+    # -- routing --------------------------------------------------------------------------
+
+    def apply_route(self, route: RouteConfig, *, batch_top_k: int = 0) -> None:
+        """Set the routing of the next decodes (see the module's `apply_route`)."""
+        apply_route(self._llm.ctx, route, batch_top_k=batch_top_k)
+
+    def read_stats(self, *, with_regions: bool = True) -> ReadStats | None:
+        """What the last ubatch read (see the module's `read_stats`)."""
+        return read_stats(self._llm.ctx, with_regions=with_regions)
+
+    def set_hints(self, cells: Sequence[int]) -> bool:
+        """Name the cells the next decodes read in place of top-k choices; whether the engine took them."""
+        array = (ctypes.c_int32 * max(1, len(cells)))(*cells)
+        return route_api().llama_kv_route_set_hints(self._llm.ctx, array, len(cells)) == 0
+
+    def route_centroid_block(self) -> int:
+        """The centroid block the KV cache keeps (0: none)."""
+        return int(route_api().llama_kv_route_cent_blk(self._llm.ctx))
+
+    def greedy_loop_seconds(self, first_token: int, n_tokens: int) -> tuple[int, float]:
+        """llama.cpp's own greedy loop on this context from `first_token` (the module's
+        greedy_loop_seconds): (tokens decoded, seconds); the next decode goes on after them."""
+        decoded, seconds = greedy_loop_seconds(self._llm.ctx, first_token, n_tokens)
+        self._llm.n_tokens += decoded
+        return decoded, seconds
+
+
+# -- the graph's tensors, for the lab's capture -----------------------------------------------------
+
+def eval_callback(on_tensor: Callable[[int, bool, int], bool]):
+    """`on_tensor(tensor, ask, user_data)` as the C callback ggml's scheduler calls for every graph
+    node (keep the returned object alive as long as a context uses it)."""
+    return llama_cpp().llama_cpp.ggml_backend_sched_eval_callback(on_tensor)
+
+
+@contextlib.contextmanager
+def eval_callback_installed(callback) -> Iterator[None]:
+    """Contexts created inside this block (an EngineContext opened in it) call `callback`, made by
+    eval_callback, for every graph node."""
+    bindings = llama_cpp().llama_cpp
+    original = bindings.llama_init_from_model
+
+    def init_with_callback(model, params):
+        params.cb_eval = callback
+        params.cb_eval_user_data = None
+        return original(model, params)
+
+    bindings.llama_init_from_model = init_with_callback
+    try:
+        yield
+    finally:
+        bindings.llama_init_from_model = original
+
+
+def tensor_name(tensor: int) -> str:
+    return ggml_lib().ggml_get_name(tensor).decode(errors="replace")
+
+
+def tensor_op(tensor: int) -> str:
+    """The tensor's operation as ggml names it ("ROPE", "MUL_MAT", ...)."""
+    return ggml_lib().ggml_op_desc(tensor).decode(errors="replace")
+
+
+def tensor_size(tensor: int) -> int:
+    """The tensor's number of elements."""
+    return int(ggml_lib().ggml_nelements(tensor))
+
+
+def tensor_floats(tensor: int, n: int) -> np.ndarray:
+    """The first `n` values of an F32 tensor, copied from its backend."""
+    buf = np.empty(n, np.float32)
+    ggml_lib().ggml_backend_tensor_get(tensor, buf.ctypes.data, 0, buf.nbytes)
+    return buf

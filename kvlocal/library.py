@@ -22,7 +22,6 @@ logits and saved state. `SetReads` attributes what each answer step read to the 
 from __future__ import annotations
 
 import bisect
-import ctypes
 import os
 import threading
 import time
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlocal import kvstate
-from kvlocal.engine import llama_cpp
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, ModelError, UsageError
 from kvlocal.ingest import Document
 from kvlocal.prompt import Segment, build_prompt
@@ -130,17 +128,16 @@ class Library(Session):
         """ModelError unless this model's memory can be composed from per-document states: recurrent
         and hybrid models keep a state that is not per cell, and an iSWA model's sliding layers would
         see only the last document."""
-        module = llama_cpp()
-        model = self._vocab_llm.model
+        vocab = self.vocab
         name = self.model.path.name
-        if module.llama_model_is_recurrent(model) or module.llama_model_is_hybrid(model):
-            what = "recurrent" if module.llama_model_is_recurrent(model) else "hybrid (recurrent and attention)"
+        if vocab.recurrent or vocab.hybrid:
+            what = "recurrent" if vocab.recurrent else "hybrid (recurrent and attention)"
             raise ModelError(f"{name} keeps {what} memory: documents cached one by one cannot be joined into "
                              "one cache; ask one document at a time")
         # the vocabulary-only model has no hyperparameters loaded: the window is read from the header
-        meta = self._vocab_llm.metadata
+        meta = vocab.metadata
         window = meta.get(f"{meta.get('general.architecture', '')}.attention.sliding_window", "0")
-        if module.llama_model_n_swa(model) > 0 or _positive(window):
+        if vocab.n_swa > 0 or _positive(window):
             raise ModelError(f"{name} has sliding-window layers: documents cached one by one cannot be joined "
                              "into one cache (those layers would see only the last one); ask one document at a time")
 
@@ -176,20 +173,8 @@ class Library(Session):
         if not documents:
             raise UsageError("no documents to load")
         if len(documents) == 1 and layout is None:
-            doc = documents[0]
-            result = self.load_document(doc.text, label=doc.source, progress=progress, cancel=cancel,
-                                        use_cache=use_cache, prefill=prefill)
-            head = len(self.tokenize_prompt([Segment(self.parts.head, True)], bos=True))
-            tokens = self.tokenize(self.parts.document, bos=False)  # the text stripped, as a set's body is
-            body = len(tokens)
-            pages = tuple(head + i for i in self._page_tokens(doc, tokens))
-            self.spans = (DocumentSpan(doc.source, head, head + body, body, head, pages),)
-            self.layout = "single"
-            self._cell_tokens = []
-            load = BodyLoad(doc.source, result.n_tokens, result.cache_hit, result.seconds, result.saved,
-                            result.rebuilt_reason)
-            return SetLoad((load,), self.spans, "single", result.n_tokens, result.n_tokens, result.n_ctx,
-                           result.seconds, result.seconds if result.cache_hit else 0.0, single=result)
+            return self._load_single(documents[0], progress=progress, cancel=cancel, use_cache=use_cache,
+                                     prefill=prefill)
         if layout not in (None, "consecutive", "parallel"):
             raise UsageError(f"the layout must be consecutive or parallel (got {layout!r})")
         if prefill is not None and prefill.routed:
@@ -198,12 +183,51 @@ class Library(Session):
         self.check_composable()
         start = time.perf_counter()
         # the previous document or set is gone from here on, whatever happens
-        self.llm = None
+        self.context = None
         self.n_prefix, self.n_prefix_cells, self.spans, self.layout, self._cell_tokens = 0, None, (), "", []
         self.parts = build_prompt("", self.chat_template, model_name=self.model.path.name)
         planned = self.set_cells(documents, pages=True)
-        head, middle, bodies, n_body, page_tokens = (planned.head, planned.middle, planned.bodies, planned.n_body,
-                                                     planned.page_tokens)
+        layout, n_ctx = self._set_layout(documents, planned, layout)
+        # 1. every body's saved state, or its prefill (saved as it finishes: a later failure keeps it)
+        keys = [self.state_key(doc.text.strip(), 0, LAYOUT_TAG, dense=True) for doc in documents]
+        states, loads = self._body_states(documents, planned, keys, use_cache, progress, log, cancel)
+        if cancel is not None and cancel.is_set():
+            raise CancelledError("cancelled: the set was not loaded")
+        # 2. the set's context: head, then each body staged into place, then the middle
+        ready_start = time.perf_counter()
+        spans, position = self._assemble(documents, planned, keys, states, layout, n_ctx)
+        end = time.perf_counter()
+        n_cells = len(planned.tokens)
+        self.n_prefix = position + len(planned.middle)
+        self.n_prefix_cells = n_cells
+        self._prefix_state = None  # a set's models remove cells (check_composable)
+        self._text_index = None
+        self.spans = tuple(spans)
+        self.layout = layout
+        self.doc_label = f"{len(documents)} documents"
+        self._cell_tokens = planned.tokens
+        return SetLoad(tuple(loads), self.spans, layout, n_cells, self.n_prefix, n_ctx, end - start,
+                       end - ready_start + sum(d.seconds for d in loads if d.cache_hit))
+
+    def _load_single(self, doc: Document, **load) -> SetLoad:
+        """A set of one document: the single-document path (Session.load_document), with its span."""
+        result = self.load_document(doc.text, label=doc.source, **load)
+        head = len(self.tokenize_prompt([Segment(self.parts.head, True)], bos=True))
+        tokens = self.tokenize(self.parts.document, bos=False)  # the text stripped, as a set's body is
+        body = len(tokens)
+        pages = tuple(head + i for i in self._page_tokens(doc, tokens))
+        self.spans = (DocumentSpan(doc.source, head, head + body, body, head, pages),)
+        self.layout = "single"
+        self._cell_tokens = []
+        loaded = BodyLoad(doc.source, result.n_tokens, result.cache_hit, result.seconds, result.saved,
+                          result.rebuilt_reason)
+        return SetLoad((loaded,), self.spans, "single", result.n_tokens, result.n_tokens, result.n_ctx,
+                       result.seconds, result.seconds if result.cache_hit else 0.0, single=result)
+
+    def _set_layout(self, documents: Sequence[Document], planned: SetCells, layout: str | None) -> tuple[str, int]:
+        """The set's layout (`layout`, or consecutive while the set fits the trained context) and its
+        context size; ContextOverflowError where a document, or the set, does not fit."""
+        head, bodies, n_body = planned.head, planned.bodies, planned.n_body
         longest = max(len(b) for b in bodies)
         if len(head) + longest + ANSWER_RESERVE > self.trained_ctx:
             i = max(range(len(bodies)), key=lambda j: len(bodies[j]))
@@ -211,7 +235,7 @@ class Library(Session):
                 f"{documents[i].source} is {n_body[i]:,} tokens; with the prompt and room for a question and "
                 f"answer it needs {len(head) + longest + ANSWER_RESERVE:,}, over the model's trained context "
                 f"{self.trained_ctx:,}")
-        n_cells = len(head) + sum(len(b) for b in bodies) + len(middle)
+        n_cells = len(head) + sum(len(b) for b in bodies) + len(planned.middle)
         if layout is None:
             layout = "consecutive" if n_cells + ANSWER_RESERVE <= self.trained_ctx else "parallel"
         if layout == "consecutive" and n_cells + ANSWER_RESERVE > self.trained_ctx:
@@ -225,21 +249,25 @@ class Library(Session):
                     f"the set is {n_cells:,} tokens and needs {n_cells + ANSWER_RESERVE:,} with room for a question "
                     f"and answer, but the context holds {self.requested_ctx:,}", setting="ctx")
             n_ctx = max(n_ctx, self.requested_ctx)
+        return layout, n_ctx
 
-        # 1. every body's saved state, or its prefill (saved as it finishes: a later failure keeps it)
-        keys = [self.state_key(doc.text.strip(), 0, LAYOUT_TAG, dense=True) for doc in documents]
+    def _body_states(self, documents: Sequence[Document], planned: SetCells, keys: list[kvstate.StateKey],
+                     use_cache: bool, progress, log, cancel) -> tuple[list[bytes | None], list[BodyLoad]]:
+        """Every body's state, its saved one or prefilled now (and saved as it finishes), and how each
+        was readied."""
+        bodies, n_body = planned.bodies, planned.n_body
         states: list[bytes | None] = [None] * len(documents)
         loads: list[BodyLoad] = []
         for i, doc in enumerate(documents):
             t0 = time.perf_counter()
             state, reason = (self._saved_body(keys[i], bodies[i]) if use_cache else (None, None))
             if state is not None:
-                states[i] = state  # loaded into the engine in step 2
+                states[i] = state  # loaded into the engine by _assemble
                 loads.append(BodyLoad(doc.source, n_body[i], True, time.perf_counter() - t0))
                 continue
             if log:
                 log(f"document {i + 1}/{len(documents)} {doc.source}: prefilling {n_body[i]:,} tokens")
-            state = self._prefill_body(head, bodies[i], progress, cancel)
+            state = self._prefill_body(planned.head, bodies[i], progress, cancel)
             saved, note = False, None
             if use_cache:
                 try:
@@ -250,62 +278,52 @@ class Library(Session):
             states[i] = state
             reason = f"{reason}; {note}" if reason and note else (reason or note)
             loads.append(BodyLoad(doc.source, n_body[i], False, time.perf_counter() - t0, saved, reason))
-        if cancel is not None and cancel.is_set():
-            raise CancelledError("cancelled: the set was not loaded")
+        return states, loads
 
-        # 2. the set's context: head, then each body staged into place, then the middle
-        ready_start = time.perf_counter()
-        self.llm = None
+    def _assemble(self, documents: Sequence[Document], planned: SetCells, keys: list[kvstate.StateKey],
+                  states: list[bytes | None], layout: str, n_ctx: int) -> tuple[list[DocumentSpan], int]:
+        """A new context of two sequences holding the set: the head decoded into the question's sequence,
+        each body's state staged and moved into place, the middle decoded after them. The spans, and the
+        position the middle was decoded at. `states` are let go of as they are staged."""
+        head, bodies = planned.head, planned.bodies
+        self.context = None
         self.centroid_type = self.centroid_type_for(len(documents))
-        self.llm = self._new_llama(n_ctx=n_ctx, n_seq_max=2)
-        module = llama_cpp()
-        mem = module.llama_get_memory(self.ctx)
+        self.context = context = self._open_context(n_ctx=n_ctx, n_seq_max=2)
         spans: list[DocumentSpan] = []
         try:
-            self.llm.eval(head)
+            context.decode(head)
             cell = position = len(head)
             for i, doc in enumerate(documents):
                 state = states[i]
                 states[i] = None  # what is staged need not stay in memory twice
-                buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-                if module.llama_state_seq_set_data(self.ctx, buf, len(state), STAGING_SEQ) != len(state):
+                if not context.load_state(state, STAGING_SEQ):
                     kvstate.discard(keys[i])
                     raise EngineError(f"the saved state of {doc.source} did not load into the engine (it was "
                                       "discarded; asking again prefills it)")
                 shift = position - len(head)
                 if shift:
-                    module.llama_memory_seq_add(mem, STAGING_SEQ, -1, -1, shift)
-                module.llama_memory_seq_cp(mem, STAGING_SEQ, QUESTION_SEQ, -1, -1)
-                module.llama_memory_seq_rm(mem, STAGING_SEQ, -1, -1)
-                spans.append(DocumentSpan(doc.source, cell, cell + len(bodies[i]), n_body[i], position,
-                                          tuple(cell + t for t in page_tokens[i])))
+                    context.shift_sequence(STAGING_SEQ, shift)
+                context.copy_sequence(STAGING_SEQ, QUESTION_SEQ)
+                context.remove_positions(STAGING_SEQ)
+                spans.append(DocumentSpan(doc.source, cell, cell + len(bodies[i]), planned.n_body[i], position,
+                                          tuple(cell + t for t in planned.page_tokens[i])))
                 cell += len(bodies[i])
                 if layout == "consecutive":
                     position += len(bodies[i])
             if layout == "parallel":
-                position = len(head) + longest
-            self.llm.n_tokens = position  # Llama.eval's next position (not the cells, in the parallel layout)
-            self.llm.eval(middle)  # applies every pending K-shift and rebuilds the centroids
+                position = len(head) + max(len(b) for b in bodies)
+            context.continue_at(position)  # the next position (not the cells, in the parallel layout)
+            context.decode(planned.middle)  # applies every pending K-shift and rebuilds the centroids
         except KeyboardInterrupt:
-            self.llm = None
+            self.context = None
             raise CancelledError("interrupted: the set was not loaded") from None
         except RuntimeError as err:
-            self.llm = None
+            self.context = None
             raise EngineError(f"assembling the set failed: {err}") from None
         except BaseException:
-            self.llm = None
+            self.context = None
             raise
-        end = time.perf_counter()
-        self.n_prefix = position + len(middle)
-        self.n_prefix_cells = n_cells
-        self._prefix_state = None  # a set's models remove cells (check_composable)
-        self._text_index = None
-        self.spans = tuple(spans)
-        self.layout = layout
-        self.doc_label = f"{len(documents)} documents"
-        self._cell_tokens = head + [t for body in bodies for t in body] + middle
-        return SetLoad(tuple(loads), self.spans, layout, n_cells, self.n_prefix, n_ctx, end - start,
-                       end - ready_start + sum(d.seconds for d in loads if d.cache_hit))
+        return spans, position
 
     def set_cells(self, documents: Sequence[Document], *, pages: bool = False) -> SetCells:
         """The tokens a set's cache holds, in cell order, without loading anything: the padded
@@ -345,12 +363,7 @@ class Library(Session):
             byte += len(body[char:at].encode())
             char = at
             starts.append(byte)
-        module = llama_cpp()
-        vocab = module.llama_model_get_vocab(self._vocab_llm.model)
-        buf = ctypes.create_string_buffer(256)
-        sizes: dict[int, int] = {}
-        for token in set(tokens):
-            sizes[token] = abs(module.llama_token_to_piece(vocab, token, buf, len(buf), 0, False))
+        sizes = self.vocab.piece_lengths(tokens)
         ends = np.cumsum(np.fromiter((sizes[t] for t in tokens), np.int64, len(tokens)))
         # token i holds bytes [ends[i-1], ends[i]): the first token ending past the page's first byte
         found = np.searchsorted(ends, np.array(starts, np.int64), side="right")
@@ -387,13 +400,12 @@ class Library(Session):
     def _prefill_body(self, head: list[int], body: list[int], progress, cancel) -> bytes:
         """Prefill head + body in a single-sequence context; the state of the body's cells alone."""
         n_ctx = max(-(-(len(head) + len(body)) // CTX_ROUND) * CTX_ROUND, CTX_ROUND)
-        if self.llm is None or self.llm.n_ctx() < n_ctx:  # load_set dropped the set's context first
-            self.llm = None
-            self.llm = self._new_llama(n_ctx=n_ctx)
+        if self.context is None or self.context.n_ctx < n_ctx:  # load_set dropped the set's context first
+            self.context = None
+            self.context = self._open_context(n_ctx=n_ctx)
         self._prefill(head + body, progress, cancel, PrefillConfig())
-        module = llama_cpp()
-        module.llama_memory_seq_rm(module.llama_get_memory(self.ctx), 0, 0, len(head))
-        state = self._get_state()
+        self.context.remove_positions(0, 0, len(head))
+        state = self.kv_state()
         self._clear_kv()
         return state
 
@@ -405,12 +417,12 @@ class Library(Session):
             return super().span_text(start, end)
         n_cells = len(self._cell_tokens)
         tokens = self._cell_tokens[start:min(end, n_cells)]
-        if end > n_cells and self.llm is not None:  # question and answer: cells follow positions there
+        if end > n_cells and self.context is not None:  # question and answer: cells follow positions there
             offset = self.n_prefix - n_cells
-            tokens += [int(t) for t in self.llm.input_ids[max(start, n_cells) + offset:min(end + offset, self.llm.n_tokens)]]
+            tokens += self.context.tokens(max(start, n_cells) + offset, min(end + offset, self.context.n_tokens))
         if not tokens:
             return ""
-        return self.llm.detokenize(tokens, special=True).decode("utf-8", errors="replace")
+        return self.context.detokenize(tokens, special=True).decode("utf-8", errors="replace")
 
     def prefix_cell_tokens(self) -> list[int]:
         """The set's prefix in cell order (its cells do not follow positions in the parallel layout)."""

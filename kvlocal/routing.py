@@ -1,15 +1,14 @@
-"""Routing settings and per-step KV read statistics, on top of the engine's C API."""
+"""Routing settings and per-step KV read statistics: plain values. The engine applies the settings
+and counts the statistics (kvlocal.engine.EngineContext.apply_route, .read_stats)."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import numpy as np
 
-from kvlocal.engine import RouteStatsC, llama_cpp, route_api
 from kvlocal.errors import UsageError
 from kvlocal.route_settings import (
     ATTENTION_PATHS,
@@ -281,37 +280,6 @@ class RouteConfig:
             return self
         return replace(self, shortlist=max(self.shortlist_floor, auto_shortlist(-(-n_tokens // self.region))))
 
-    def apply(self, ctx: ctypes.c_void_p, *, batch_top_k: int = 0) -> None:
-        """Set the context's routing. A batch of several tokens routes to `batch_top_k` regions, or
-        reads densely with 0 (the default, so a document's prefill stays dense). An automatic
-        shortlist follows what the context holds now (Session resolves it once per answer)."""
-        shortlist = self.shortlist
-        if shortlist == SHORTLIST_AUTO:
-            module = llama_cpp()
-            n_tokens = module.llama_memory_seq_pos_max(module.llama_get_memory(ctx), 0) + 1
-            shortlist = self.for_document(max(0, n_tokens)).shortlist
-        api = route_api()
-        params = api.llama_kv_route_default_params()
-        params.mode = int(self.route_mode)
-        params.region_size = self.region
-        params.top_k = self.top_k
-        params.n_window = self.window
-        params.n_sink = self.sinks
-        params.seed = self.seed & 0xFFFFFFFF
-        params.n_shortlist = shortlist
-        params.keep = self.keep
-        params.top_k_batch = batch_top_k
-        params.n_pin = self.pins
-        params.attn = int(ATTENTION_CODES[self.attention])
-        if api.llama_kv_route_set(ctx, params) != 0:
-            blk = api.llama_kv_route_cent_blk(ctx)
-            raise UsageError(f"the engine rejected the routing settings {self} (centroid block {blk})")
-        module = llama_cpp()
-        budgets = self.layer_budgets(module.llama_model_n_layer(module.llama_get_model(ctx)))
-        array = (ctypes.c_int32 * len(budgets))(*budgets)
-        if api.llama_kv_route_set_layer_top_k(ctx, array, len(budgets)) != 0:
-            raise UsageError(f"the engine rejected the budgets per layer {self.layer_top_k!r}", setting="layer_top_k")
-
     def describe(self) -> str:
         if self.route_mode == RouteMode.FULL:
             return "full (dense attention)"
@@ -447,24 +415,3 @@ class ReadStats:
     @property
     def fallback_reason(self) -> str:
         return FALLBACK_REASONS.get(self.fallback, f"fallback code {self.fallback}")
-
-
-def read_stats(ctx: ctypes.c_void_p, with_regions: bool = True) -> ReadStats | None:
-    """The statistics of the context's last ubatch (a decode step, or a batch read at once), or None
-    before the first one."""
-    api = route_api()
-    raw = RouteStatsC()
-    if api.llama_kv_route_get_stats(ctx, ctypes.byref(raw)) != 0:
-        return None
-    stats = ReadStats(
-        mode=RouteMode(raw.mode), **{name: getattr(raw, name) for name, _ in RouteStatsC._fields_ if name != "mode"}
-    )
-    if with_regions and raw.n_layer_routed:
-        n = api.llama_kv_route_get_regions(ctx, None, 0)
-        regions = np.zeros(n, np.int32)
-        api.llama_kv_route_get_regions(ctx, regions.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
-        layers = np.zeros(raw.n_layer_routed, np.int32)
-        api.llama_kv_route_get_layers(ctx, layers.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(layers))
-        stats.layers = layers
-        stats.regions = regions.reshape(raw.n_layer_routed, raw.n_head_kv, raw.n_sel)
-    return stats

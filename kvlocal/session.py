@@ -1,15 +1,14 @@
 """The session layer: a model, one prefilled document, and questions asked of it.
 
-The CLI, the TUI and the evaluation call only this module. It owns the llama.cpp context:
-prefill in batches with progress and cancellation, the saved KV state, and routed decoding
-that streams answer pieces together with the engine's per-step read statistics.
+The CLI, the TUI and the evaluation call only this module. It holds the engine context
+(kvlocal.engine.EngineContext) and drives it: prefill in batches with progress and cancellation,
+the saved KV state, and routed decoding that streams answer pieces together with the engine's
+per-step read statistics.
 """
 
 from __future__ import annotations
 
 import codecs
-import contextlib
-import ctypes
 import hashlib
 import math
 import os
@@ -22,7 +21,7 @@ import numpy as np
 
 from kvlocal import kvstate
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, ReadTotals
-from kvlocal.engine import greedy_loop_seconds, llama_cpp, require_patched, route_api
+from kvlocal.engine import EngineContext, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
 from kvlocal.hints import TextIndex, hint_cells
@@ -38,7 +37,7 @@ from kvlocal.route_settings import (
     model_route,
 )
 from kvlocal.routing import (
-    PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_centroid_type, check_region_block, read_stats,
+    PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_centroid_type, check_region_block,
 )
 
 ANSWER_RESERVE = 768  # context tokens kept free for a question and its answer
@@ -132,16 +131,16 @@ class Session:
         self.calibrated_route: ModelRoute = model_route(self.model.sha256)
         self.given_centroid_type = centroid_type
         self.centroid_type = self.centroid_type_for(1)  # the type of the current context's centroids
-        self._context_centroid_type: str | None = None
         self.threads = threads or default_threads()
         self.requested_ctx = n_ctx
         self.trained_ctx = int(self.model.info.context_length or 0) or 32768
         if n_ctx is not None and not MIN_CTX <= n_ctx <= self.trained_ctx:
             raise UsageError(f"the context size must be between {MIN_CTX} and the model's trained context {self.trained_ctx}",
                              setting="ctx")
-        self._vocab_llm = self._new_llama(vocab_only=True)
-        self.chat_template = self._vocab_llm.metadata.get("tokenizer.chat_template")
-        self.llm = None
+        # the model's vocabulary and header (no weights): what tokenizes, and what the model is
+        self.vocab: EngineContext | None = self._open_context(vocab_only=True)
+        self.chat_template = self.vocab.metadata.get("tokenizer.chat_template")
+        self.context: EngineContext | None = None  # the model with the loaded document's KV cache
         self.parts: PromptParts | None = None
         self.n_prefix = 0
         self.n_prefix_cells: int | None = None  # cells the prefix holds, where not one a position (a library)
@@ -162,40 +161,11 @@ class Session:
 
     # -- engine objects -------------------------------------------------------------------
 
-    def _new_llama(self, *, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1):
-        """A llama-cpp-python Llama; with `n_seq_max` > 1 its context holds that many sequences in one
-        unified KV cache (one stream: seq_cp shares cells), which Llama's constructor cannot ask for."""
-        module = llama_cpp()
-        gpu = bool(module.llama_supports_gpu_offload())
-        with _context_sequences(n_seq_max):
-            return self._new_llama_unlocked(module, gpu, vocab_only, n_ctx)
-
-    def _new_llama_unlocked(self, module, gpu: bool, vocab_only: bool, n_ctx: int):
-        if not vocab_only:
-            self._context_centroid_type = self.centroid_type
-        try:
-            return module.Llama(
-                model_path=str(self.model.path),
-                vocab_only=vocab_only,
-                n_ctx=n_ctx,
-                n_batch=self.n_batch,
-                n_ubatch=self.n_batch,
-                n_threads=self.threads,
-                n_threads_batch=self.threads,
-                n_gpu_layers=-1 if gpu else 0,
-                flash_attn=True,  # routed decoding needs the non-transposed V cache
-                type_k=KV_TYPES[self.kv_type],
-                type_v=KV_TYPES[self.kv_type],
-                kv_centroid_block=self.centroid_block,  # fixed for the context's KV cache
-                kv_centroid_type=KV_TYPES[self.centroid_type],  # and its type
-                verbose=False,
-            )
-        except (ValueError, RuntimeError) as err:
-            raise EngineError(f"llama.cpp could not load {self.model.path.name}: {err}") from None
-
-    @property
-    def ctx(self) -> ctypes.c_void_p:
-        return self.llm.ctx
+    def _open_context(self, *, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1) -> EngineContext:
+        """An engine context of this session's model and settings (EngineContext.open)."""
+        return EngineContext.open(self.model.path, vocab_only=vocab_only, n_ctx=n_ctx, n_seq_max=n_seq_max,
+                                  n_batch=self.n_batch, threads=self.threads, kv_type=self.kv_type,
+                                  centroid_block=self.centroid_block, centroid_type=self.centroid_type)
 
     @property
     def prefix_cells(self) -> int:
@@ -204,7 +174,7 @@ class Session:
 
     def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
         """Token ids of `text`; control-token spellings in it stay plain text unless `special`."""
-        return self._vocab_llm.tokenize(text.encode(), add_bos=bos, special=special)
+        return self.vocab.tokenize(text, bos=bos, special=special)
 
     def tokenize_prompt(self, segments: list[Segment], *, bos: bool) -> list[int]:
         """Token ids of prompt segments: only the chat template's own segments may yield control tokens."""
@@ -278,9 +248,9 @@ class Session:
         tokens = self.tokenize_prompt(self.parts.prefix_segments(), bos=True)
         n_ctx = self.choose_ctx(len(tokens))
         self.centroid_type = self.centroid_type_for(1)
-        if self.llm is None or self.llm.n_ctx() != n_ctx or self._context_centroid_type != self.centroid_type:
-            self.llm = None
-            self.llm = self._new_llama(n_ctx=n_ctx)
+        if self.context is None or self.context.n_ctx != n_ctx or self.context.centroid_type != self.centroid_type:
+            self.context = None  # freed before the next one is made
+            self.context = self._open_context(n_ctx=n_ctx)
         self.n_prefix = 0
         self.n_prefix_cells = None
         self._prefix_state = None
@@ -309,7 +279,7 @@ class Session:
                 saved = None
             if saved is not None:
                 saved_tokens, state = saved
-                if list(saved_tokens) == tokens and self._set_state(state):
+                if list(saved_tokens) == tokens and self.restore_state(state):
                     self._mark_tokens(tokens)
                     self._keep_prefix_state(state)
                     return LoadResult(len(tokens), n_ctx, True, time.perf_counter() - start, prefill=prefill)
@@ -318,7 +288,7 @@ class Session:
         state = self._compact_swa_cache()
         seconds = time.perf_counter() - start
         if use_cache:
-            state = state or self._get_state()
+            state = state or self.kv_state()
         self._keep_prefix_state(state)
         saved_to = None
         if use_cache:
@@ -337,7 +307,7 @@ class Session:
         cancel: threading.Event | None,
         prefill: PrefillConfig,
     ) -> PrefillReads:
-        llm = self.llm
+        context = self.context
         self._clear_kv()
         start = time.perf_counter()
         reads = PrefillReads()
@@ -345,7 +315,7 @@ class Session:
         if prefill.routed:
             check_region_block(routed.region, self.centroid_block)
         try:
-            dense.apply(self.ctx)
+            context.apply_route(dense)
             routing = False
             for i, end, routes in prefill.ubatches(len(tokens), self.n_batch):
                 if cancel is not None and cancel.is_set():
@@ -354,10 +324,10 @@ class Session:
                 # queries choose; the others (and every ubatch of a dense prefill) read every earlier cell.
                 # The routed ubatches follow the dense ones, so the route is set once, at the first
                 if routes and not routing:
-                    routed.apply(self.ctx, batch_top_k=prefill.top_k)
+                    context.apply_route(routed, batch_top_k=prefill.top_k)
                     routing = True
-                llm.eval(tokens[i:end])
-                stats = read_stats(self.ctx, with_regions=False)
+                context.decode(tokens[i:end])
+                stats = context.read_stats(with_regions=False)
                 if stats:
                     reads.add(stats)
                 if progress:
@@ -373,7 +343,7 @@ class Session:
             self._clear_kv()
             raise EngineError(f"prefill failed: {err}") from None
         finally:
-            dense.apply(self.ctx)  # the next document's prefill and answer set their own
+            context.apply_route(dense)  # the next document's prefill and answer set their own
         self.n_prefix = len(tokens)
         return reads
 
@@ -382,20 +352,18 @@ class Session:
         its window packed at the front: as a state restored from the cache does. Otherwise their dense
         view spans every cell the prefill ever used (masked but read), and a fresh document would read
         more, and count a larger dense baseline, than the same document restored. Returns the state."""
-        module = llama_cpp()
-        if module.llama_model_n_swa(self.llm.model) <= 0:
+        if self.context.n_swa <= 0:
             return None
-        n_prefix, n_tokens = self.n_prefix, self.llm.n_tokens
-        state = self._get_state()
-        if not self._set_state(state):
+        n_prefix, n_tokens = self.n_prefix, self.context.n_tokens
+        state = self.kv_state()
+        if not self.restore_state(state):
             raise EngineError("could not reload the prefilled state of a sliding-window model")
-        self.n_prefix, self.llm.n_tokens = n_prefix, n_tokens
+        self.n_prefix = n_prefix
+        self.context.continue_at(n_tokens)
         return state
 
     def _clear_kv(self) -> None:
-        module = llama_cpp()
-        module.llama_memory_clear(module.llama_get_memory(self.ctx), True)
-        self.llm.n_tokens = 0
+        self.context.clear()
         self.n_prefix = 0
         self.n_prefix_cells = None
 
@@ -403,49 +371,41 @@ class Session:
     def state_rewinds(self) -> bool:
         """Whether a question is dropped by restoring the document's state rather than by removing its
         cells: a recurrent or hybrid model, whose recurrent layers keep one state per sequence."""
-        module = llama_cpp()
-        model = self.llm.model if self.llm is not None else self._vocab_llm.model
-        return bool(module.llama_model_is_recurrent(model) or module.llama_model_is_hybrid(model))
+        model = self.context if self.context is not None else self.vocab
+        return model.recurrent or model.hybrid
 
     def _keep_prefix_state(self, state: bytes | None) -> None:
         """Keep the document's state in memory for _rewind where removing cells cannot drop a question."""
-        self._prefix_state = (state or self._get_state()) if self.state_rewinds else None
+        self._prefix_state = (state or self.kv_state()) if self.state_rewinds else None
 
     def span_text(self, start: int, end: int) -> str:
         """The text of the tokens at positions [start, end) of the context (document, question, answer)."""
-        end = min(end, self.llm.n_tokens if self.llm else 0)
+        end = min(end, self.context.n_tokens if self.context else 0)
         if start >= end:
             return ""
-        tokens = [int(t) for t in self.llm.input_ids[start:end]]
-        return self.llm.detokenize(tokens, special=True).decode("utf-8", errors="replace")
+        return self.context.detokenize(self.context.tokens(start, end), special=True).decode("utf-8", errors="replace")
 
     def kv_bytes(self) -> int:
         """Bytes of KV state the current sequence holds (what a saved state stores)."""
-        return int(llama_cpp().llama_state_seq_get_size(self.ctx, 0))
+        return self.context.state_size()
 
     @property
     def n_layer(self) -> int:
         return int(self.model.info.n_layer or 0)
 
     def _mark_tokens(self, tokens: list[int]) -> None:
-        self.llm.input_ids[: len(tokens)] = tokens
-        self.llm.n_tokens = len(tokens)
+        self.context.mark_tokens(tokens)
         self.n_prefix = len(tokens)
 
-    def _get_state(self) -> bytes:
-        module = llama_cpp()
-        size = module.llama_state_seq_get_size(self.ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        written = module.llama_state_seq_get_data(self.ctx, buf, size, 0)
-        if written != size:
-            raise EngineError("could not read the KV state from the engine")
-        return bytes(buf)
+    def kv_state(self) -> bytes:
+        """The KV state of the context's sequence (what a saved state stores)."""
+        return self.context.state()
 
-    def _set_state(self, state: bytes) -> bool:
-        module = llama_cpp()
+    def restore_state(self, state: bytes) -> bool:
+        """Empty the context and load `state` (from kv_state or the cache) into it; whether the engine
+        took it. The prefix is then unset: the caller says what the cells hold."""
         self._clear_kv()
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        return module.llama_state_seq_set_data(self.ctx, buf, len(state), 0) == len(state)
+        return self.context.load_state(state)
 
     # -- questions ------------------------------------------------------------------------
 
@@ -456,11 +416,11 @@ class Session:
 
     def prefix_cell_tokens(self) -> list[int]:
         """The tokens of the prefix (template head and document) in cell order."""
-        return [int(t) for t in self.llm.input_ids[: self.n_prefix]]
+        return self.context.tokens(0, self.n_prefix)
 
     def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         """Each token's bytes, control tokens spelled out (what a text index reads)."""
-        pieces = {t: self._vocab_llm.detokenize([t], special=True) for t in set(tokens)}
+        pieces = {t: self.vocab.detokenize([t], special=True) for t in set(tokens)}
         return [pieces[t] for t in tokens]
 
     def _set_hints(self, question: str, route: RouteConfig) -> tuple[int, ...]:
@@ -471,8 +431,7 @@ class Session:
                 self._text_index = TextIndex.of(self.token_pieces(self.prefix_cell_tokens()))
             cells = hint_cells(self._text_index, question, route.hinted, route.region,
                                skip_regions=-(-route.sinks // route.region))
-        array = (ctypes.c_int32 * max(1, len(cells)))(*cells)
-        if route_api().llama_kv_route_set_hints(self.ctx, array, len(cells)) != 0 and cells:
+        if not self.context.set_hints(cells) and cells:
             raise EngineError("the engine did not take the route hints")
         return tuple(cells)
 
@@ -487,23 +446,22 @@ class Session:
 
     def _rewind(self) -> None:
         """Drop the previous question and answer, keep the document."""
-        module = llama_cpp()
         if self._prefix_state is not None:
             # recurrent layers: their state after the answer cannot be cut back, so the document's
             # state (attention cells and recurrent state) is restored as a saved one is
-            if self.llm.n_tokens == self.n_prefix:
+            if self.context.n_tokens == self.n_prefix:
                 return
             n_prefix, n_prefix_cells = self.n_prefix, self.n_prefix_cells
-            if not self._set_state(self._prefix_state):
+            if not self.restore_state(self._prefix_state):
                 raise EngineError("could not restore the document's state after the previous answer")
-            self.n_prefix, self.n_prefix_cells, self.llm.n_tokens = n_prefix, n_prefix_cells, n_prefix
+            self.n_prefix, self.n_prefix_cells = n_prefix, n_prefix_cells
+            self.context.continue_at(n_prefix)
             return
-        module.llama_memory_seq_rm(module.llama_get_memory(self.ctx), 0, self.n_prefix, -1)
-        self.llm.n_tokens = self.n_prefix
+        self.context.truncate(self.n_prefix)
 
     def _step(self, token: int, want_regions: bool) -> ReadStats | None:
-        self.llm.eval([token])
-        return read_stats(self.ctx, with_regions=want_regions)
+        self.context.decode([token])
+        return self.context.read_stats(with_regions=want_regions)
 
     def _read_question(self, q_tokens: list[int], route: RouteConfig, summary: AnswerSummary,
                        want_regions: bool) -> None:
@@ -514,15 +472,15 @@ class Session:
                 if stats:
                     summary.add(stats)
             return
-        route.apply(self.ctx, batch_top_k=route.question_batch_top_k)
+        self.context.apply_route(route, batch_top_k=route.question_batch_top_k)
         try:
             for i in range(0, len(q_tokens), self.n_batch):
-                self.llm.eval(q_tokens[i : i + self.n_batch])
-                stats = read_stats(self.ctx, with_regions=want_regions)
+                self.context.decode(q_tokens[i : i + self.n_batch])
+                stats = self.context.read_stats(with_regions=want_regions)
                 if stats:
                     summary.add(stats)
         finally:
-            route.apply(self.ctx)  # the answer's steps, and the next document's prefill, as usual
+            self.context.apply_route(route)  # the answer's steps, and the next document's prefill, as usual
 
     def ask(
         self,
@@ -554,31 +512,29 @@ class Session:
     def _decode_answer(self, question: str, route: RouteConfig | None, max_tokens: int, temperature: float,
                        seed: int, want_regions: bool, cancel: threading.Event | None,
                        ) -> Generator[AnswerPiece, None, AnswerSummary]:
-        if self.llm is None or self.n_prefix == 0:
+        if self.context is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
         check_ask_settings(question, max_tokens, temperature, seed)
         route = self.route_for(route)
         check_region_block(route.region, self.centroid_block)
-        module = llama_cpp()
+        context = self.context
         with self._lock:
             self._rewind()
             hints = self._set_hints(question, route)
             route = route.for_hints(len(hints)).for_document(self.prefix_cells)  # an automatic shortlist, once per answer
             route = route.reading_hints(self._hinted_regions(hints, route))
-            route.apply(self.ctx)
+            context.apply_route(route)
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
-            room = self.llm.n_ctx() - self.prefix_cells - len(q_tokens)
+            room = context.n_ctx - self.prefix_cells - len(q_tokens)
             if room < 1:
                 raise ContextOverflowError(
-                    f"the question ({len(q_tokens):,} tokens) does not fit in the {self.llm.n_ctx() - self.prefix_cells:,} "
+                    f"the question ({len(q_tokens):,} tokens) does not fit in the {context.n_ctx - self.prefix_cells:,} "
                     f"tokens of context left after the document; a larger context leaves more room", setting="ctx")
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
             summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, hint_cells=hints, model_layers=self.n_layer)
             self._read_question(q_tokens, route, summary, want_regions)
             summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
-            vocab = module.llama_model_get_vocab(self.llm.model)
-            n_vocab = self.llm.n_vocab()
             rng = np.random.default_rng(seed)
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             pieces: list[str] = []
@@ -588,11 +544,10 @@ class Session:
                 for _ in range(max_tokens):
                     if cancel is not None and cancel.is_set():
                         break
-                    logits = np.ctypeslib.as_array(module.llama_get_logits_ith(self.ctx, -1), shape=(n_vocab,))
-                    token = _sample(logits, temperature, rng)
-                    if module.llama_vocab_is_eog(vocab, token):
+                    token = _sample(context.last_logits(), temperature, rng)
+                    if context.is_end_of_generation(token):
                         break
-                    text = decoder.decode(self.llm.detokenize([token]))
+                    text = decoder.decode(context.detokenize([token]))
                     if stops and any(stop in recent + text for stop in stops):
                         break  # a completion prompt's answer ends where the next paragraph or question begins
                     recent = (recent + text)[-32:]
@@ -617,22 +572,18 @@ class Session:
             return summary
 
     def plain_loop(self, question: str, n_tokens: int) -> tuple[int, float]:
-        """Dense decoding of `n_tokens` answer tokens by llama.cpp's own loop (engine.greedy_loop_seconds)
+        """Dense decoding of `n_tokens` answer tokens by llama.cpp's own loop (EngineContext.greedy_loop_seconds)
         after the question read densely: (tokens, seconds), the reference for kvlocal's decode loop."""
-        if self.llm is None or self.n_prefix == 0:
+        if self.context is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
-        module = llama_cpp()
-        full = RouteConfig(mode="full")
+        context = self.context
         with self._lock:
             self._rewind()
-            full.apply(self.ctx)
+            context.apply_route(RouteConfig(mode="full"))
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
             for i in range(0, len(q_tokens), self.n_batch):
-                self.llm.eval(q_tokens[i : i + self.n_batch])
-            logits = np.ctypeslib.as_array(module.llama_get_logits_ith(self.ctx, -1), shape=(self.llm.n_vocab(),))
-            decoded, seconds = greedy_loop_seconds(self.ctx, int(np.argmax(logits)), n_tokens)
-            self.llm.n_tokens += decoded
-            return decoded, seconds
+                context.decode(q_tokens[i : i + self.n_batch])
+            return context.greedy_loop_seconds(int(np.argmax(context.last_logits())), n_tokens)
 
     def answer(self, question: str, **kwargs) -> AnswerSummary:
         """ask() without streaming: the finished answer's summary."""
@@ -641,43 +592,15 @@ class Session:
     def unload(self) -> None:
         """Free the context and its KV cache (the next load_document starts as a new process would)."""
         with self._lock:
-            self.llm = None
+            self.context = None
             self.n_prefix = 0
             self.n_prefix_cells = None
             self._prefix_state = None
             self._text_index = None
 
     def close(self) -> None:
-        self.llm = None
-        self._vocab_llm = None
-
-
-_SEQUENCES_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _context_sequences(n_seq_max: int):
-    """While a Llama is built: its context parameters ask for `n_seq_max` sequences in one unified KV
-    cache (llama-cpp-python's Llama takes neither; it reads llama_context_default_params when built)."""
-    if n_seq_max <= 1:
-        yield
-        return
-    import llama_cpp.llama_cpp as bindings  # what llama_cpp.llama.Llama calls
-
-    with _SEQUENCES_LOCK:
-        original = bindings.llama_context_default_params
-
-        def with_sequences():
-            params = original()
-            params.n_seq_max = n_seq_max
-            params.kv_unified = True
-            return params
-
-        bindings.llama_context_default_params = with_sequences
-        try:
-            yield
-        finally:
-            bindings.llama_context_default_params = original
+        self.context = None
+        self.vocab = None
 
 
 def check_ask_settings(question: str, max_tokens: int, temperature: float, seed: int) -> None:

@@ -105,9 +105,9 @@ def context_with_document(model_path: Path, n_doc: int, seed: int = 0) -> RawCon
 
 def routed_steps(raw: RawContext, steps: list[int], route) -> list:
     """Set `route` (a RouteConfig) and decode `steps` one token at a time: (logits, read stats) per step."""
-    from kvlocal.routing import read_stats
+    from kvlocal.engine import apply_route, read_stats
 
-    route.apply(raw.ctx)
+    apply_route(raw.ctx, route)
     out = []
     for tok in steps:
         raw.decode([tok])

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.engine
 from engine_probe import RawContext, ggml_base  # noqa: E402
 from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2, write_tiny_qwen35  # noqa: E402
 
-from kvlocal.engine import llama_cpp  # noqa: E402
+from kvlocal.engine import apply_route, llama_cpp  # noqa: E402
 from kvlocal.routing import PrefillConfig, RouteConfig  # noqa: E402
 
 GGML_MAX_DIMS, GGML_MAX_SRC = 4, 10
@@ -91,7 +91,7 @@ def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: in
     raw = RawContext(model, n_ctx=2048, kv_type=kv_type, recorder=rec, centroid_type=centroid_type)
     try:
         raw.decode([(i * 37) % 250 for i in range(n_doc)])
-        route.apply(raw.ctx, batch_top_k=route.top_k if n_batch > 1 and not question else 0)
+        apply_route(raw.ctx, route, batch_top_k=route.top_k if n_batch > 1 and not question else 0)
         state["on"] = True
         if question:
             raw.decode([(i * 11) % 250 for i in range(question)])

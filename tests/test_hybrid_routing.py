@@ -18,7 +18,7 @@ pytestmark = pytest.mark.engine
 from engine_probe import GraphRecorder, RawContext, routed_steps  # noqa: E402
 from synth_gguf import write_tiny_qwen35  # noqa: E402
 
-from kvlocal.engine import llama_cpp  # noqa: E402
+from kvlocal.engine import apply_route, llama_cpp  # noqa: E402
 from kvlocal.routing import RouteConfig  # noqa: E402
 
 N_DOC = 1500
@@ -142,7 +142,7 @@ def test_routed_step_adds_only_gpu_ops(qwen35_model):
         raw = RawContext(qwen35_model, n_ctx=2048, recorder=rec)
         try:
             raw.decode(doc_tokens(700))
-            RouteConfig(mode=mode, top_k=2, region=64).apply(raw.ctx)
+            apply_route(raw.ctx, RouteConfig(mode=mode, top_k=2, region=64))
             rec.recording = True
             raw.decode([7])
             rec.recording = False

@@ -31,7 +31,7 @@ def control_ids(session) -> set[int]:
 
 def prefix_tokens(session, text: str) -> list[int]:
     session.load_document(text, use_cache=False)
-    return [int(t) for t in session.llm.input_ids[: session.n_prefix]]
+    return session.context.tokens(0, session.n_prefix)
 
 
 def template_controls(session, tokens: list[int]) -> list[int]:
@@ -72,7 +72,7 @@ def test_a_model_without_a_chat_template_gets_no_foreign_markers(tmp_path):
         assert base.chat_template is None
         tokens = prefix_tokens(base, "The code is 42.")
         assert not template_controls(base, tokens)
-        assert base.llm.detokenize(tokens).decode().startswith("Document:\n\nThe code is 42.")
+        assert base.context.detokenize(tokens).decode().startswith("Document:\n\nThe code is 42.")
         summary = base.answer("What is the code?", max_tokens=8)
         assert summary.n_question_tokens == len(base.tokenize(" What is the code?".strip() + "\nAnswer:", bos=False))
         assert "\n\n" not in summary.text  # the completion prompt's answer ends at a blank line

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.engine
 
 from engine_probe import RawContext, context_with_document, routed_steps  # noqa: E402
 
-from kvlocal.engine import llama_cpp, route_api  # noqa: E402
+from kvlocal.engine import apply_route, llama_cpp, route_api  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.routing import RouteConfig  # noqa: E402
 
@@ -119,7 +119,7 @@ def test_budgets_the_engine_or_the_model_cannot_take_are_refused(raw):
     assert api.llama_kv_route_set_layer_top_k(raw.ctx, zero, 2) == -1
     assert api.llama_kv_route_set_layer_top_k(raw.ctx, values, 0) == 0  # clears
     with pytest.raises(UsageError, match="layers 0-1"):
-        RouteConfig(layer_top_k="2=4").apply(raw.ctx)
+        apply_route(raw.ctx, RouteConfig(layer_top_k="2=4"))
     for spec in ("x", "3-1=2", "1=0", "16-23"):
         with pytest.raises(UsageError, match="--layer-top-k"):
             RouteConfig(layer_top_k=spec)

@@ -21,7 +21,7 @@ from kvlocal.ingest import Document  # noqa: E402
 from kvlocal.library import LAYOUT_UNIT, DocumentSpan, Library, SetReads  # noqa: E402
 from kvlocal.prompt import Segment  # noqa: E402
 from kvlocal.progress import answer_summary  # noqa: E402
-from kvlocal.routing import Fallback, ReadStats, RouteConfig, RouteMode, read_stats  # noqa: E402
+from kvlocal.routing import Fallback, ReadStats, RouteConfig, RouteMode  # noqa: E402
 from kvlocal.session import Session  # noqa: E402
 
 A = Document(" ".join(f"entry {i}: value {i * 7 % 101}." for i in range(50)), "a.txt", "txt")
@@ -45,18 +45,17 @@ def lib(cache_dir, tiny_model):
 
 def question_logits(session: Session) -> np.ndarray:
     """The logits after the question (read in one dense batch), the way Session.ask reads it."""
-    m = llama_cpp()
     session._rewind()
     q = session.tokenize_prompt(session.parts.question_segments(QUESTION), bos=False)
-    session.llm.eval(q)
-    return np.ctypeslib.as_array(m.llama_get_logits_ith(session.ctx, -1), shape=(session.llm.n_vocab(),)).copy()
+    session.context.decode(q)
+    return session.context.last_logits().copy()
 
 
 def test_a_set_of_one_is_the_single_document_path(cache_dir, tiny_model, lib):
     single = Session(str(tiny_model), threads=2)
     try:
         want = single.load_document(A.text, label=A.source)
-        want_tokens = list(single.llm.input_ids[: single.n_prefix])
+        want_tokens = single.context.tokens(0, single.n_prefix)
         want_logits = question_logits(single)
         want_answer = single.answer(QUESTION, route=ROUTE, max_tokens=8).text
     finally:
@@ -64,7 +63,7 @@ def test_a_set_of_one_is_the_single_document_path(cache_dir, tiny_model, lib):
     got = lib.load_set([A])
     assert got.layout == "single" and got.single is not None
     assert got.single.cache_hit  # the state the single-document path saved: the same key
-    assert lib.n_prefix == want.n_tokens and list(lib.llm.input_ids[: lib.n_prefix]) == want_tokens
+    assert lib.n_prefix == want.n_tokens and lib.context.tokens(0, lib.n_prefix) == want_tokens
     np.testing.assert_array_equal(question_logits(lib), want_logits)
     assert lib.answer(QUESTION, route=ROUTE, max_tokens=8).text == want_answer
     [span] = lib.spans  # the document's own tokens, between the template's head and middle
@@ -78,7 +77,7 @@ class _Ref(_Ctx):
 
     def __init__(self, lib: Library, positions: list[int], bodies: list[list[int]], head: list[int]) -> None:
         m = llama_cpp()
-        super().__init__(SimpleNamespace(model=lib.llm.model, n_vocab=lib.llm.n_vocab()), 1 + len(bodies), 4096)
+        super().__init__(SimpleNamespace(model=lib.context.raw_model, n_vocab=lib.context.n_vocab), 1 + len(bodies), 4096)
         self.decode(head, 0, 0)
         for s, (pos, body) in enumerate(zip(positions, bodies), start=1):
             # the body after a copy of the head moved with it (what the body's K/V saw when it was
@@ -218,15 +217,13 @@ def question_tokens(lib: Library) -> list[int]:
 def set_steps(lib: Library, route: RouteConfig, steps: list[int] = STEPS) -> list[tuple[np.ndarray, ReadStats]]:
     """The question read in one dense batch under `route` (geometric writes its pins there), then the
     fixed `steps` decoded one by one: logits and read stats of each."""
-    m = llama_cpp()
     lib._rewind()
-    route.apply(lib.ctx)
-    lib.llm.eval(question_tokens(lib))
+    lib.context.apply_route(route)
+    lib.context.decode(question_tokens(lib))
     out = []
     for tok in steps:
-        lib.llm.eval([tok])
-        logits = np.ctypeslib.as_array(m.llama_get_logits_ith(lib.ctx, -1), shape=(lib.llm.n_vocab(),)).copy()
-        out.append((logits, read_stats(lib.ctx)))
+        lib.context.decode([tok])
+        out.append((lib.context.last_logits().copy(), lib.context.read_stats()))
     return out
 
 
@@ -242,7 +239,7 @@ def test_every_region_selected_over_a_set_reproduces_full_attention(lib, layout)
     lib.load_set([Document(A.text.strip() + " " + B.text.strip(), "ab.txt", "txt")])
     single, _, _ = every_region_error(lib)  # one sequence, about as many cells
     load = lib.load_set([A, B], layout=layout)
-    assert route_api().llama_kv_route_cent_blk(lib.ctx) > 0  # two unified sequences keep centroids
+    assert lib.context.route_centroid_block() > 0  # two unified sequences keep centroids
     diff, full, every = every_region_error(lib)
     one = set_steps(lib, RouteConfig(mode="geometric", top_k=1, region=64))
     assert diff <= min(SET_ORACLE_TOL, 1.5 * single), f"max |logit diff| {diff} (one sequence: {single})"
@@ -305,11 +302,11 @@ def test_a_ubatch_of_several_sequences_still_falls_back(lib):
         for i, seq in enumerate((0, 1)):  # one token of the question's sequence, the staging one's first
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = 5 + i, (pos, 0)[i], 1, True
             batch.seq_id[i][0] = seq
-        RouteConfig(mode="geometric", top_k=2, region=64).apply(lib.ctx, batch_top_k=2)
-        assert m.llama_decode(lib.ctx, batch) == 0
+        lib.context.apply_route(RouteConfig(mode="geometric", top_k=2, region=64), batch_top_k=2)
+        assert m.llama_decode(lib.context.raw_context, batch) == 0
     finally:
         m.llama_batch_free(batch)
-    assert read_stats(lib.ctx).fallback == Fallback.MULTI_SEQ
+    assert lib.context.read_stats().fallback == Fallback.MULTI_SEQ
 
 
 @pytest.mark.parametrize("unified, expected", [(True, 16), (False, 0)])

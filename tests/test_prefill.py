@@ -8,7 +8,6 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-from kvlocal.engine import llama_cpp  # noqa: E402
 from kvlocal.routing import PrefillConfig, RouteConfig  # noqa: E402
 from kvlocal.session import Session  # noqa: E402
 
@@ -24,9 +23,7 @@ def prefill_logits(model, prefill: PrefillConfig, *, use_cache: bool = False):
         result = session.load_document(TEXT, prefill=prefill, use_cache=use_cache)
         logits = None
         if not result.cache_hit:  # a restored state has computed no logits
-            module = llama_cpp()
-            n_vocab = session.llm.n_vocab()
-            logits = np.ctypeslib.as_array(module.llama_get_logits_ith(session.ctx, -1), shape=(n_vocab,)).copy()
+            logits = session.context.last_logits().copy()
     finally:
         session.close()
     return logits, result

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.engine
 
 from engine_probe import RawContext, context_with_document  # noqa: E402
 
-from kvlocal.engine import llama_cpp, route_api  # noqa: E402
-from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
+from kvlocal.engine import apply_route, llama_cpp, read_stats, route_api  # noqa: E402
+from kvlocal.routing import RouteConfig  # noqa: E402
 
 N_DOC = 1500  # 24 regions of 64 cells: region 0 the sinks, 22-23 the window
 
@@ -29,7 +29,7 @@ def step(raw: RawContext, route: RouteConfig, hints: list[int]):
     m = llama_cpp()
     cells = (ctypes.c_int32 * max(1, len(hints)))(*hints)
     assert route_api().llama_kv_route_set_hints(raw.ctx, cells, len(hints)) == 0
-    route.apply(raw.ctx)
+    apply_route(raw.ctx, route)
     try:
         raw.decode([5])
         return read_stats(raw.ctx, with_regions=True)

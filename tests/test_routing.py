@@ -15,9 +15,9 @@ pytestmark = pytest.mark.engine
 from engine_probe import GraphRecorder, RawContext, routed_steps  # noqa: E402
 from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2  # noqa: E402
 
-from kvlocal.engine import engine_info, llama_cpp, route_api  # noqa: E402
+from kvlocal.engine import apply_route, engine_info, llama_cpp, read_stats, route_api  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
-from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
+from kvlocal.routing import RouteConfig  # noqa: E402
 
 # ops that both ggml-cuda and ggml-metal implement for the types the routed graph feeds them
 # (checked against their supports_op in tests/test_gpu_ops.py)
@@ -197,7 +197,7 @@ def test_pins_from_a_dense_question_steer_the_answer_until_forgotten(model64):
     def ask(raw, route):
         m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, N_DOC, -1)
         raw.n_past = N_DOC
-        route.apply(raw.ctx)
+        apply_route(raw.ctx, route)
         raw.decode(question)
         q_stats = read_stats(raw.ctx)
         raw.decode(step)
@@ -229,7 +229,7 @@ def test_route_graph_uses_gpu_ops_only(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048, recorder=rec)
     try:
         raw.decode(doc_tokens(700))
-        RouteConfig(mode="geometric", top_k=2, region=64).apply(raw.ctx)
+        apply_route(raw.ctx, RouteConfig(mode="geometric", top_k=2, region=64))
         rec.recording = True
         raw.decode([7])
         rec.recording = False
@@ -273,7 +273,7 @@ def test_invalid_route_settings_are_usage_errors(tiny_model):
     raw = RawContext(tiny_model, n_ctx=512)
     try:
         with pytest.raises(UsageError):  # smaller than the centroid block (16)
-            RouteConfig(region=8).apply(raw.ctx)
+            apply_route(raw.ctx, RouteConfig(region=8))
     finally:
         raw.close()
 
@@ -509,7 +509,7 @@ def decode_batch(raw: RawContext, n_prefix: int, tokens: list[int], route: Route
     m = llama_cpp()
     m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, n_prefix, -1)
     raw.n_past = n_prefix
-    route.apply(raw.ctx, batch_top_k=batch_top_k)
+    apply_route(raw.ctx, route, batch_top_k=batch_top_k)
     raw.decode(tokens)
     return raw.logits(), read_stats(raw.ctx)
 
@@ -567,7 +567,7 @@ def test_a_routed_batch_uses_gpu_ops_only(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048, recorder=rec)
     try:
         raw.decode(doc_tokens(700))
-        RouteConfig(mode="geometric", top_k=2, region=64).apply(raw.ctx, batch_top_k=3)
+        apply_route(raw.ctx, RouteConfig(mode="geometric", top_k=2, region=64), batch_top_k=3)
         rec.recording = True
         raw.decode(doc_tokens(9, seed=5))
         rec.recording = False

@@ -6,8 +6,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-from kvlocal.engine import route_api  # noqa: E402
-from kvlocal.routing import RouteConfig, read_stats  # noqa: E402
+from kvlocal.routing import RouteConfig  # noqa: E402
 from kvlocal.session import AnswerPiece, Session  # noqa: E402
 
 TEXT_A = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(60))
@@ -42,7 +41,7 @@ def test_two_sessions_in_one_process_do_not_disturb_each_other(cache, tiny_model
         a.load_document(TEXT_A, use_cache=False)
         b.load_document(TEXT_B, use_cache=False)
         # each context's KV cache keeps the block its session asked for (a context parameter)
-        assert [route_api().llama_kv_route_cent_blk(s.ctx) for s in (a, b)] == [16, 4]
+        assert [s.context.route_centroid_block() for s in (a, b)] == [16, 4]
         assert answer(a, "which value?") == want_a
         assert answer(b, "how many apples?") == want_b
         assert answer(a, "which value?") == want_a  # after b's steps, a still routes over its own cache
@@ -95,7 +94,7 @@ def test_the_question_pass_decides_how_the_question_reads_the_document(cache, ti
         assert dense_q[0] == dense_q[1] == routed_q[1] > 0  # the whole cache, once
         assert 0 < routed_q[0] < routed_q[1]  # its regions (and centroids), once
         session.load_document(text + " more.", use_cache=False)
-        st = read_stats(session.ctx)
+        st = session.context.read_stats()
         assert st.n_layer_routed == 0 and st.rows_read == st.rows_dense  # the prefill read densely
     finally:
         session.close()

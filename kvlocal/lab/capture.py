@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal.engine import ggml_lib, llama_cpp
+from kvlocal.engine import eval_callback, eval_callback_installed, tensor_floats, tensor_name, tensor_op, tensor_size
 from kvlocal.errors import EngineError
 from kvlocal.ggml_types import GGML_TYPE_F16
 
@@ -46,18 +45,16 @@ class QKCapture:
         self._q = np.zeros((n_layer, n_head, head_dim), np.float32)
         self._k = np.zeros((n_layer, n_head_kv, head_dim), np.float32)
         self._seen = 0
-        self._lib = ggml_lib()
-        self._callback = llama_cpp().llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)
+        self._callback = eval_callback(self._on_tensor)  # alive as long as the capture: a context calls it
 
     def reset(self) -> None:
         self.steps = CapturedSteps()
 
     def _wanted(self, t: int) -> tuple[str, int] | None:
-        name = self._lib.ggml_get_name(t).decode(errors="replace")
-        kind, _, layer = name.partition("-")
+        kind, _, layer = tensor_name(t).partition("-")
         if kind not in ("Qcur", "Kcur") or not layer.isdigit():
             return None
-        if self._lib.ggml_op_desc(t) != b"ROPE":
+        if tensor_op(t) != "ROPE":
             return None
         return kind, int(layer)
 
@@ -71,11 +68,9 @@ class QKCapture:
             return True
         kind, layer = wanted
         dest = self._q[layer] if kind == "Qcur" else self._k[layer]
-        if self._lib.ggml_nelements(t) != dest.size:
+        if tensor_size(t) != dest.size:
             return True  # a batch of several tokens (prefill): not a decode step
-        buf = np.empty(dest.size, np.float32)
-        self._lib.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
-        dest[...] = buf.reshape(dest.shape)
+        dest[...] = tensor_floats(t, dest.size).reshape(dest.shape)
         self._seen += 1
         if self._seen == 2 * self.n_layer:  # every layer's Q and K: one step done
             self.steps.q.append(self._q.copy())
@@ -83,23 +78,9 @@ class QKCapture:
             self._seen = 0
         return True
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> contextlib.AbstractContextManager[None]:
         """Contexts created inside this block call the capture for every graph node."""
-        module = llama_cpp().llama_cpp
-        original = module.llama_init_from_model
-        callback = self._callback
-
-        def init_with_callback(model, params):
-            params.cb_eval = callback
-            params.cb_eval_user_data = None
-            return original(model, params)
-
-        module.llama_init_from_model = init_with_callback
-        try:
-            yield
-        finally:
-            module.llama_init_from_model = original
+        return eval_callback_installed(self._callback)
 
 
 def state_keys(state: bytes, n_layer: int, n_embd_k_gqa: int) -> tuple[np.ndarray, np.ndarray]:
@@ -173,10 +154,7 @@ class BatchQCapture(QKCapture):
             return wanted is not None and wanted[0] == "Qcur"
         if wanted is None or wanted[0] != "Qcur":
             return True
-        n = self._lib.ggml_nelements(t)
-        buf = np.empty(n, np.float32)
-        self._lib.ggml_backend_tensor_get(t, buf.ctypes.data, 0, buf.nbytes)
-        self._layers[wanted[1]] = buf.reshape(-1, self.n_head, self.head_dim)
+        self._layers[wanted[1]] = tensor_floats(t, tensor_size(t)).reshape(-1, self.n_head, self.head_dim)
         return True
 
     def take(self, n_tokens: int) -> np.ndarray:

@@ -96,7 +96,7 @@ def capture_case(session, case: Case, name: str, max_tokens: int, log: Callable[
     with capture.installed():
         result = session.load_document(case.text, label=f"lab {name}")
     log(f"{name}: {result.n_tokens:,} tokens ({'cached state' if result.cache_hit else f'prefilled in {result.seconds:.0f} s'})")
-    _, doc_keys, doc_values = state_kv(session._get_state(), info.n_layer, info.n_head_kv * head_dim)
+    _, doc_keys, doc_values = state_kv(session.kv_state(), info.n_layer, info.n_head_kv * head_dim)
     qs, ks, facts, correct, n_question = [], [], [], [], []
     for probe in case.probes:
         n_question.append(question_steps(session, probe.question))

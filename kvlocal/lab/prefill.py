@@ -66,7 +66,6 @@ def fact_ubatches(facts: np.ndarray, n_tokens: int, ubatch: int, start: int) -> 
 def capture_prefill(session, case, name: str, start: int, log: Callable[[str], None] = print) -> PrefillCapture:
     """Dense prefill of `case` (its saved state when there is one), then every ubatch past `start`
     that holds a fact prefilled again on the dense history before it, recording its queries."""
-    from kvlocal.engine import llama_cpp
     from kvlocal.errors import EngineError
     from kvlocal.lab.capture import BatchQCapture, state_kv
     from kvlocal.lab.decode import fact_span, needle_of
@@ -78,20 +77,18 @@ def capture_prefill(session, case, name: str, start: int, log: Callable[[str], N
     with capture.installed():
         result = session.load_document(case.text, label=f"lab {name}")
     log(f"{name}: {result.n_tokens:,} tokens ({'cached state' if result.cache_hit else f'prefilled in {result.seconds:.0f} s'})")
-    state = session._get_state()
+    state = session.kv_state()
     _, keys, values = state_kv(state, info.n_layer, info.n_head_kv * head_dim)
-    tokens = [int(t) for t in session.llm.input_ids[: result.n_tokens]]  # what was prefilled
+    tokens = session.prefix_cell_tokens()  # what was prefilled
     facts = np.array([fact_span(session, needle_of(case, p)) for p in case.probes])
-    module = llama_cpp()
     starts, queries = [], []
     for first, end in fact_ubatches(facts, len(tokens), session.n_batch, start):
-        if not session._set_state(state):
+        if not session.restore_state(state):
             raise EngineError("the lab could not restore the haystack's dense state")
-        module.llama_memory_seq_rm(module.llama_get_memory(session.ctx), 0, first, -1)
-        session.llm.n_tokens = first
+        session.context.truncate(first)
         capture.active = True
         try:
-            session.llm.eval(tokens[first:end])
+            session.context.decode(tokens[first:end])
         finally:
             capture.active = False
         starts.append(first)
