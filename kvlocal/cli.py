@@ -128,15 +128,12 @@ def _check_lengths_fit(session, lengths: list[int]) -> None:
                          f"{session.trained_ctx}")
 
 
-def _open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_BLOCK,
-                  centroid_type=None, *, library=False):
-    """The session of `model` (a Library, which also loads sets of documents, with `library`); centroids of
+def _open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_BLOCK, centroid_type=None):
+    """The session of `model` (it loads a document, or a set through kvlocal.library); centroids of
     `centroid_type`, or (None) the type of the model's route."""
     from kvlocal.progress import StatusLine, download_text
     from kvlocal.session import Session
 
-    if library:
-        from kvlocal.library import Library as Session
     line = StatusLine()
     session = Session(
         model, n_ctx=ctx, threads=threads, kv_type=kv_type, centroid_block=centroid_block, centroid_type=centroid_type,
@@ -146,18 +143,15 @@ def _open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_
     return session
 
 
-def _load(session, text: str, label: str, use_cache: bool, prefill=None, document=None):
-    """Load one document (a library session given `document`: through load_set's single-document path,
-    which also knows its pages)."""
+def _load(session, text: str, label: str, use_cache: bool, prefill=None, pages=()):
+    """Load one document (`pages`: where its pages start in `text`, for the reads by page)."""
     from kvlocal.progress import StatusLine, load_summary, prefill_text
 
     line = StatusLine()
     try:
         progress = lambda p: line.show(prefill_text(p))  # noqa: E731
-        if document is not None:
-            result = session.load_set([document], progress=progress, use_cache=use_cache, prefill=prefill).single
-        else:
-            result = session.load_document(text, label=label, progress=progress, use_cache=use_cache, prefill=prefill)
+        result = session.load_document(text, label=label, pages=pages, progress=progress, use_cache=use_cache,
+                                       prefill=prefill)
     finally:
         line.done()
     if result.rebuilt_reason:
@@ -208,15 +202,15 @@ def _document_set(documents: list[str], max_kv: str | None):
 
 def _load_set(session, docs, use_cache: bool, prefill=None):
     """Load a set through the library (one document: exactly `_load`), with a line per document."""
+    from kvlocal.library import load_set
     from kvlocal.progress import StatusLine, prefill_text, set_summary
 
     if len(docs) == 1:
-        return _load(session, docs[0].text, docs[0].source, use_cache, prefill, document=docs[0])
+        return _load(session, docs[0].text, docs[0].source, use_cache, prefill, pages=docs[0].pages)
     line = StatusLine()
     try:
-        result = session.load_set(docs, progress=lambda p: line.show(prefill_text(p)),
-                                  log=lambda text: (line.done(), err(f"kvlocal: {text}")), use_cache=use_cache,
-                                  prefill=prefill)
+        result = load_set(session, docs, progress=lambda p: line.show(prefill_text(p)),
+                          log=lambda text: (line.done(), err(f"kvlocal: {text}")), use_cache=use_cache, prefill=prefill)
     finally:
         line.done()
     for text in set_summary(result):
@@ -254,6 +248,7 @@ def ask(
     prefilled once and cached on its own, and the set is assembled from the cached states. A file that
     cannot be read is named and skipped; the others are answered and the exit status is 3.
     """
+    from kvlocal.library import check_set_fits
     from kvlocal.session import check_ask_settings
 
     route_cfg = routing.config(route, seed)
@@ -261,9 +256,9 @@ def ask(
     question = _text_arg(question)  # the documents stay as given: paths
     check_ask_settings(question, max_tokens, temperature, seed)
     docs, limit = _document_set(documents, max_kv)
-    session = _open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type, library=True)
+    session = _open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type)
     if len(docs.documents) > 1:  # one document: bounded by the trained context, and the single-document path
-        session.check_set_fits(docs.documents, limit)
+        check_set_fits(session, docs.documents, limit)
     _load_set(session, docs.documents, not no_cache, prefill_cfg)
     # a set, or one PDF: the reads by document (and page) after the answer
     tally = session.read_tally() if len(docs.documents) > 1 or docs.documents[0].pages else None
@@ -571,6 +566,7 @@ def _eval_library(sizes: str, lengths: str, facts_per_doc: int, sets_per_seed: i
     from kvlocal.evals import library_report
     from kvlocal.evals.library_cases import max_documents
     from kvlocal.evals.library_runner import REFERENCES, LibraryConfig, run_library
+    from kvlocal.library import check_composable
     from kvlocal.ingest import load_document
 
     size_list = _bounded("--library", _ints(sizes), 1, max_documents(1))
@@ -596,8 +592,8 @@ def _eval_library(sizes: str, lengths: str, facts_per_doc: int, sets_per_seed: i
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder")
     filler = load_document(haystack).text if haystack else None
-    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type, library=True)
-    session.check_composable()
+    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+    check_composable(session)
     _check_lengths_fit(session, length_list)
     for config in configs:
         rows = run_library(session, config, out / "results.jsonl", filler=filler, haystack_name=str(haystack or ""),
@@ -617,6 +613,7 @@ def _lab_hints(sizes: str, lengths: str, seeds: str, hints: int, haystack: Path 
     from kvlocal.evals.library_runner import LibraryConfig, make_set_case
     from kvlocal.hints import SCOPES
     from kvlocal.ingest import load_document
+    from kvlocal.library import set_cells
     from kvlocal.lab import hints as lab_hints
 
     scopes = list(SCOPES) if hint_scope == "both" else [hint_scope]
@@ -629,7 +626,7 @@ def _lab_hints(sizes: str, lengths: str, seeds: str, hints: int, haystack: Path 
         raise UsageError("--seeds names no seed")
     RouteOptions(region=region, sinks=sinks, centroid_block=0).config("geometric")  # checked as the engine would
     filler = load_document(haystack).text if haystack else None
-    session = _open_session(model, None, threads, "f16", library=True)
+    session = _open_session(model, None, threads, "f16")
     _check_lengths_fit(session, length_list)
     rows = []
     for n in size_list:
@@ -637,7 +634,7 @@ def _lab_hints(sizes: str, lengths: str, seeds: str, hints: int, haystack: Path 
         for length in length_list:
             for seed in seed_list:
                 case = make_set_case(session, config, length, seed, filler)
-                planned = session.set_cells(case.documents)
+                planned = set_cells(session, case.documents)
                 pieces = session.token_pieces(planned.tokens)
                 for scope in scopes:
                     found = lab_hints.hint_coverage(pieces, planned.starts, planned.n_body, case, hints=hints,
@@ -908,6 +905,7 @@ def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: P
     from kvlocal.errors import UsageError
     from kvlocal.evals import bench as b
     from kvlocal.evals.library_cases import max_documents
+    from kvlocal.library import check_composable
     from kvlocal.units import human_bytes
 
     size_list = _bounded("--library", _ints(sizes), 1, max_documents(1))
@@ -916,8 +914,8 @@ def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: P
         raise UsageError("--library benches one document length at a time; give one --lengths")
     if out:
         _check_out_file(out)
-    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type, library=True)
-    session.check_composable()
+    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+    check_composable(session)
     _check_lengths_fit(session, length_list)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_library(session, size_list, length_list[0], route, n_tokens=tokens, seed=seed, log=log)

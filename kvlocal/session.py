@@ -1,9 +1,10 @@
 """The session layer: a model, one prefilled document, and questions asked of it.
 
-The CLI, the TUI and the evaluation call only this module. It holds the engine context
-(kvlocal.engine.EngineContext) and drives it: prefill in batches with progress and cancellation,
-the saved KV state, and routed decoding that streams answer pieces together with the engine's
-per-step read statistics.
+The CLI, the TUI and the evaluation call only this module (and the set loader, kvlocal.library,
+which drives a session). A session holds an engine context (kvlocal.engine.EngineContext) and the
+layout of what it holds (kvlocal.layout.DocumentLayout), and drives the context: prefill in batches
+with progress and cancellation, the saved KV state, and routed decoding that streams answer pieces
+together with the engine's per-step read statistics.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvlocal.engine import EngineContext, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
 from kvlocal.hints import TextIndex, hint_cells
+from kvlocal.layout import DocumentLayout, DocumentSpan, SetReads, page_starts, span_at
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
@@ -143,7 +145,7 @@ class Session:
         self.context: EngineContext | None = None  # the model with the loaded document's KV cache
         self.parts: PromptParts | None = None
         self.n_prefix = 0
-        self.n_prefix_cells: int | None = None  # cells the prefix holds, where not one a position (a library)
+        self.layout = DocumentLayout()  # where the prefix's documents sit (a set's cells need not follow positions)
         self.doc_label = ""
         # the document's state, kept where a question cannot be dropped by removing its cells (a model
         # with recurrent layers: their state is not per cell); _rewind restores it
@@ -170,7 +172,8 @@ class Session:
     @property
     def prefix_cells(self) -> int:
         """KV cells the loaded prefix holds: its positions, unless a library placed documents side by side."""
-        return self.n_prefix if self.n_prefix_cells is None else self.n_prefix_cells
+        n_cells = self.layout.n_cells
+        return self.n_prefix if n_cells is None else n_cells
 
     def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
         """Token ids of `text`; control-token spellings in it stay plain text unless `special`."""
@@ -230,21 +233,27 @@ class Session:
             return "dense"
         return prefill.state_tag(self.centroid_block, self.n_batch, self.centroid_type)
 
+    def prompt_parts(self, text: str = "") -> PromptParts:
+        """The prompt around `text` (empty: a set's template head, middle and question suffix)."""
+        return build_prompt(text, self.chat_template, model_name=self.model.path.name)
+
     def load_document(
         self,
         text: str,
         *,
         label: str = "",
+        pages: Sequence[int] = (),
         progress: Callable[[PrefillProgress], None] | None = None,
         cancel: threading.Event | None = None,
         use_cache: bool = True,
         prefill: PrefillConfig | None = None,
     ) -> LoadResult:
         """Prefill the document (or restore its saved state). Ctrl-C / cancel leaves nothing behind.
-        `prefill` says how its ubatches read the cache (dense by default); a routed prefill's state is
-        saved and found under its own key."""
+        `pages`: where each page starts in `text` (a PDF's), for the layout's span. `prefill` says how
+        its ubatches read the cache (dense by default); a routed prefill's state is saved and found
+        under its own key."""
         prefill = prefill or PrefillConfig()
-        self.parts = build_prompt(text, self.chat_template, model_name=self.model.path.name)
+        self.parts = self.prompt_parts(text)
         tokens = self.tokenize_prompt(self.parts.prefix_segments(), bos=True)
         n_ctx = self.choose_ctx(len(tokens))
         self.centroid_type = self.centroid_type_for(1)
@@ -252,14 +261,39 @@ class Session:
             self.context = None  # freed before the next one is made
             self.context = self._open_context(n_ctx=n_ctx)
         self.n_prefix = 0
-        self.n_prefix_cells = None
+        self.layout = DocumentLayout()
         self._prefix_state = None
         self._text_index = None
         self.doc_label = label
+        layout = self._single_layout(label, text, pages, tokens)
         tag = self.prefill_tag(prefill, len(tokens))
         if tag == "dense":
             prefill = PrefillConfig()  # no ubatch of it would route: it is the dense prefill, and says so
-        key = self.state_key(text, n_ctx, tag)
+        result = self._load_prefix(tokens, self.state_key(text, n_ctx, tag), n_ctx, label, progress, cancel,
+                                   use_cache, prefill)
+        self.layout = layout
+        return result
+
+    def _single_layout(self, label: str, text: str, pages: Sequence[int], tokens: list[int]) -> DocumentLayout:
+        """The layout of one document whose prompt prefix is `tokens`: its span between the template's
+        head and middle, with the cells where its pages start."""
+        head = len(self.tokenize_prompt([Segment(self.parts.head, True)], bos=True))
+        middle = len(self.tokenize_prompt([Segment(self.parts.middle, True)], bos=False))
+        body = tokens[head : len(tokens) - middle]  # the document's own tokens (its text stripped)
+        starts = tuple(head + i for i in self.page_tokens(text, pages, body))
+        return DocumentLayout("single", (DocumentSpan(label, head, head + len(body), len(body), head, starts),))
+
+    def page_tokens(self, text: str, pages: Sequence[int], tokens: list[int]) -> tuple[int, ...]:
+        """The index in `tokens` (`text.strip()` tokenized) of the token where each page starts (`pages`:
+        the offset in `text` of each); () without pages (kvlocal.layout.page_starts)."""
+        if not pages or not tokens:
+            return ()
+        return page_starts(text, pages, tokens, self.vocab.piece_lengths(tokens))
+
+    def _load_prefix(self, tokens: list[int], key: kvstate.StateKey, n_ctx: int, label: str,
+                     progress: Callable[[PrefillProgress], None] | None, cancel: threading.Event | None,
+                     use_cache: bool, prefill: PrefillConfig) -> LoadResult:
+        """Restore the prompt prefix `tokens` from the state saved under `key`, or prefill it (and save it)."""
         start = time.perf_counter()
         rebuilt = None
 
@@ -365,7 +399,7 @@ class Session:
     def _clear_kv(self) -> None:
         self.context.clear()
         self.n_prefix = 0
-        self.n_prefix_cells = None
+        self.layout = DocumentLayout()
 
     @property
     def state_rewinds(self) -> bool:
@@ -379,11 +413,21 @@ class Session:
         self._prefix_state = (state or self.kv_state()) if self.state_rewinds else None
 
     def span_text(self, start: int, end: int) -> str:
-        """The text of the tokens at positions [start, end) of the context (document, question, answer)."""
-        end = min(end, self.context.n_tokens if self.context else 0)
-        if start >= end:
+        """The text of cells [start, end): the prefix (a set's by cell), then the question and answer,
+        whose cells follow positions."""
+        if self.context is None:
             return ""
-        return self.context.detokenize(self.context.tokens(start, end), special=True).decode("utf-8", errors="replace")
+        cells = self.layout.cell_tokens
+        if not cells:
+            tokens = self.context.tokens(start, max(start, min(end, self.context.n_tokens)))
+        else:
+            tokens = list(cells[start:min(end, len(cells))])
+            if end > len(cells):
+                offset = self.n_prefix - len(cells)
+                tokens += self.context.tokens(max(start, len(cells)) + offset, min(end + offset, self.context.n_tokens))
+        if not tokens:
+            return ""
+        return self.context.detokenize(tokens, special=True).decode("utf-8", errors="replace")
 
     def kv_bytes(self) -> int:
         """Bytes of KV state the current sequence holds (what a saved state stores)."""
@@ -407,16 +451,65 @@ class Session:
         self._clear_kv()
         return self.context.load_state(state)
 
+    # -- what the set loader (kvlocal.library) asks of a session --------------------------
+
+    def start_set(self) -> None:
+        """Drop what is loaded, its context included, and take the prompt without a document: a set is
+        about to be loaded."""
+        self.unload()
+        self.parts = self.prompt_parts()
+
+    def prefill_state(self, tokens: list[int], *, drop: int, progress: Callable[[PrefillProgress], None] | None = None,
+                      cancel: threading.Event | None = None) -> bytes:
+        """Prefill `tokens` densely in a context of one sequence (the one held, where it has room), and
+        the state of its cells past the first `drop` positions; the context is left empty."""
+        n_ctx = max(-(-len(tokens) // CTX_ROUND) * CTX_ROUND, CTX_ROUND)
+        if self.context is None or self.context.n_ctx < n_ctx:  # start_set dropped the set's context first
+            self.context = None
+            self.context = self._open_context(n_ctx=n_ctx)
+        self._prefill(tokens, progress, cancel, PrefillConfig())
+        self.context.remove_positions(0, 0, drop)
+        state = self.kv_state()
+        self._clear_kv()
+        return state
+
+    def open_set_context(self, n_ctx: int, n_documents: int) -> EngineContext:
+        """A fresh context of `n_ctx` cells for a set of `n_documents`: two sequences (the question's
+        and a staging one) in one unified cache, centroids of the set's type. The one held is freed first."""
+        self.context = None
+        self.centroid_type = self.centroid_type_for(n_documents)
+        self.context = self._open_context(n_ctx=n_ctx, n_seq_max=2)
+        return self.context
+
+    def hold_prefix(self, n_prefix: int, layout: DocumentLayout, label: str) -> None:
+        """The context now holds a prompt prefix of `n_prefix` positions laid out as `layout`, on a model
+        whose memory is per cell (a question is dropped by removing its cells): questions are asked of it."""
+        self.n_prefix = n_prefix
+        self.layout = layout
+        self._prefix_state = None
+        self._text_index = None
+        self.doc_label = label
+
     # -- questions ------------------------------------------------------------------------
 
     @property
     def n_documents(self) -> int:
-        """Documents the loaded prefix holds (a Library's set may hold several)."""
-        return 1
+        """Documents the loaded prefix holds (a set may hold several)."""
+        return max(1, len(self.layout.spans))
 
     def prefix_cell_tokens(self) -> list[int]:
-        """The tokens of the prefix (template head and document) in cell order."""
+        """The tokens of the prefix (template head, documents, middle) in cell order."""
+        if self.layout.cell_tokens:
+            return list(self.layout.cell_tokens)
         return self.context.tokens(0, self.n_prefix)
+
+    def document_at(self, cell: int) -> DocumentSpan | None:
+        """The document whose body holds `cell` (None for the template head, the question and the answer)."""
+        return span_at(self.layout.spans, cell)
+
+    def read_tally(self) -> SetReads:
+        """An empty tally of the reads of the next answer, by document (feed it each step's ReadStats)."""
+        return SetReads(self.layout.spans, self.prefix_cells)
 
     def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         """Each token's bytes, control tokens spelled out (what a text index reads)."""
@@ -451,10 +544,10 @@ class Session:
             # state (attention cells and recurrent state) is restored as a saved one is
             if self.context.n_tokens == self.n_prefix:
                 return
-            n_prefix, n_prefix_cells = self.n_prefix, self.n_prefix_cells
+            n_prefix, layout = self.n_prefix, self.layout
             if not self.restore_state(self._prefix_state):
                 raise EngineError("could not restore the document's state after the previous answer")
-            self.n_prefix, self.n_prefix_cells = n_prefix, n_prefix_cells
+            self.n_prefix, self.layout = n_prefix, layout
             self.context.continue_at(n_prefix)
             return
         self.context.truncate(self.n_prefix)
@@ -594,7 +687,7 @@ class Session:
         with self._lock:
             self.context = None
             self.n_prefix = 0
-            self.n_prefix_cells = None
+            self.layout = DocumentLayout()
             self._prefix_state = None
             self._text_index = None
 

@@ -284,7 +284,7 @@ def test_a_question_with_bytes_that_are_not_utf8_reaches_the_answer(monkeypatch,
     session = _RecordingSession()
     loaded = []
     monkeypatch.setattr(cli, "_open_session", lambda *a, **k: session)
-    monkeypatch.setattr(cli, "_load", lambda s, text, label, use_cache, prefill=None, document=None: loaded.append((text, label)))
+    monkeypatch.setattr(cli, "_load", lambda s, text, label, use_cache, prefill=None, pages=(): loaded.append((text, label)))
     result = run("ask", str(path), "What did post 1 read at the caf\udce9?")
     assert "UnicodeEncodeError" not in repr(result.exception), result.exception
     assert result.exit_code == 2, (result.output, result.exception)

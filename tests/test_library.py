@@ -18,7 +18,8 @@ from kvlocal import kvstate  # noqa: E402
 from kvlocal.engine import llama_cpp, route_api  # noqa: E402
 from kvlocal.errors import ContextOverflowError, ModelError, UsageError  # noqa: E402
 from kvlocal.ingest import Document  # noqa: E402
-from kvlocal.library import LAYOUT_UNIT, DocumentSpan, Library, SetReads  # noqa: E402
+from kvlocal.layout import DocumentSpan, SetReads  # noqa: E402
+from kvlocal.library import LAYOUT_UNIT, load_set  # noqa: E402
 from kvlocal.prompt import Segment  # noqa: E402
 from kvlocal.progress import answer_summary  # noqa: E402
 from kvlocal.routing import Fallback, ReadStats, RouteConfig, RouteMode  # noqa: E402
@@ -38,7 +39,7 @@ SET_TOL = 2e-3
 
 @pytest.fixture
 def lib(cache_dir, tiny_model):
-    library = Library(str(tiny_model), threads=2)
+    library = Session(str(tiny_model), threads=2)
     yield library
     library.close()
 
@@ -60,13 +61,13 @@ def test_a_set_of_one_is_the_single_document_path(cache_dir, tiny_model, lib):
         want_answer = single.answer(QUESTION, route=ROUTE, max_tokens=8).text
     finally:
         single.close()
-    got = lib.load_set([A])
+    got = load_set(lib, [A])
     assert got.layout == "single" and got.single is not None
     assert got.single.cache_hit  # the state the single-document path saved: the same key
     assert lib.n_prefix == want.n_tokens and lib.context.tokens(0, lib.n_prefix) == want_tokens
     np.testing.assert_array_equal(question_logits(lib), want_logits)
     assert lib.answer(QUESTION, route=ROUTE, max_tokens=8).text == want_answer
-    [span] = lib.spans  # the document's own tokens, between the template's head and middle
+    [span] = lib.layout.spans  # the document's own tokens, between the template's head and middle
     assert lib.span_text(span.start, span.end) == A.text
 
 
@@ -75,7 +76,7 @@ class _Ref(_Ctx):
     positions given (after the head moved there with it), all shared with seq 0; then the middle and
     the question decode in seq 0."""
 
-    def __init__(self, lib: Library, positions: list[int], bodies: list[list[int]], head: list[int]) -> None:
+    def __init__(self, lib: Session, positions: list[int], bodies: list[list[int]], head: list[int]) -> None:
         m = llama_cpp()
         super().__init__(SimpleNamespace(model=lib.context.raw_model, n_vocab=lib.context.n_vocab), 1 + len(bodies), 4096)
         self.decode(head, 0, 0)
@@ -91,9 +92,14 @@ class _Ref(_Ctx):
             m.llama_memory_seq_cp(self.mem, s, 0, -1, -1)
 
 
-def _reference(lib: Library, layout: str) -> np.ndarray:
-    head = lib._padded(lib.tokenize_prompt([Segment(lib.parts.head, True)], bos=True))
-    bodies = [lib._padded(lib.tokenize(d.text, bos=False)) for d in (A, B)]
+def _reference(lib: Session, layout: str) -> np.ndarray:
+    pad = lib.tokenize("\n", bos=False)[-1]  # the library pads with newlines to whole LAYOUT_UNITs
+
+    def padded(tokens: list[int]) -> list[int]:
+        return tokens + [pad] * (-len(tokens) % LAYOUT_UNIT)
+
+    head = padded(lib.tokenize_prompt([Segment(lib.parts.head, True)], bos=True))
+    bodies = [padded(lib.tokenize(d.text, bos=False)) for d in (A, B)]
     positions = [len(head), len(head) + len(bodies[0])] if layout == "consecutive" else [len(head)] * 2
     ref = _Ref(lib, positions, bodies, head)
     try:
@@ -107,7 +113,7 @@ def _reference(lib: Library, layout: str) -> np.ndarray:
 
 @pytest.mark.parametrize("layout", ["consecutive", "parallel"])
 def test_an_assembled_set_matches_its_documents_prefilled_at_their_positions(lib, layout):
-    load = lib.load_set([A, B], layout=layout)
+    load = load_set(lib, [A, B], layout=layout)
     assert load.layout == layout and [d.cache_hit for d in load.documents] == [False, False]
     head = load.spans[0].start
     assert head % LAYOUT_UNIT == 0 and all(s.start % LAYOUT_UNIT == 0 for s in load.spans)
@@ -123,32 +129,32 @@ def test_an_assembled_set_matches_its_documents_prefilled_at_their_positions(lib
 
 
 def test_the_set_comes_from_the_cache_whatever_its_order_and_a_new_document_costs_its_own_prefill(lib):
-    lib.load_set([A, B])
+    load_set(lib, [A, B])
     first = question_logits(lib)
-    again = lib.load_set([B, A])
+    again = load_set(lib, [B, A])
     assert again.cache_hits == 2 and again.spans[0].label == "b.txt"
-    again = lib.load_set([A, B])
+    again = load_set(lib, [A, B])
     assert again.cache_hits == 2
     assert np.abs(question_logits(lib) - first).max() < SET_TOL
-    more = lib.load_set([C, A, B])
+    more = load_set(lib, [C, A, B])
     assert [d.cache_hit for d in more.documents] == [False, True, True]
     assert lib.answer(QUESTION, route=ROUTE, max_tokens=4).n_answer_tokens >= 0
 
 
 def test_the_layout_follows_the_trained_context(lib):
-    assert lib.load_set([A, B]).layout == "consecutive"
+    assert load_set(lib, [A, B]).layout == "consecutive"
     lib.trained_ctx = 2600  # the two bodies (about 2.7k tokens) no longer fit one after the other
-    load = lib.load_set([A, B])
+    load = load_set(lib, [A, B])
     assert load.layout == "parallel" and load.n_positions < load.n_cells
     assert lib.n_prefix == load.n_positions and lib.prefix_cells == load.n_cells
     assert lib.answer(QUESTION, max_tokens=4).n_question_tokens > 0
     with pytest.raises(ContextOverflowError, match="trained context"):
-        lib.load_set([A, B], layout="consecutive")
+        load_set(lib, [A, B], layout="consecutive")
 
 
 def test_per_document_reads_add_up_to_the_engines_total(lib):
     for docs in ([A], [A, B]):  # both route: the single path, and the set as one index (patch 0010)
-        lib.load_set(docs)
+        load_set(lib, docs)
         tally = lib.read_tally()
         rows = 0
         for piece in lib.ask(QUESTION, route=ROUTE, max_tokens=6, want_regions=True):
@@ -158,7 +164,7 @@ def test_per_document_reads_add_up_to_the_engines_total(lib):
         assert tally.routed_steps == tally.steps and "dense" not in tally.describe()
         assert all(n > 0 for n in tally.documents)
         assert abs(sum(share for _, share in tally.shares()) - 1) < 1e-9
-        assert lib.document_at(lib.spans[-1].start).label == docs[-1].source and lib.document_at(0) is None
+        assert lib.document_at(lib.layout.spans[-1].start).label == docs[-1].source and lib.document_at(0) is None
 
 
 def test_routed_regions_are_attributed_to_the_documents_they_lie_in():
@@ -181,11 +187,11 @@ def test_a_model_whose_memory_cannot_be_composed_is_refused_before_anything(cach
     single.load_document(A.text)
     single.close()
     before = [e.path.name for e in kvstate.list_entries()]
-    swa = Library(str(write_tiny_olmo2_swa(tmp_path / "swa.gguf")), threads=2)
+    swa = Session(str(write_tiny_olmo2_swa(tmp_path / "swa.gguf")), threads=2)
     try:
         with pytest.raises(ModelError, match="sliding-window"):
-            swa.load_set([A, B])
-        swa.load_set([A])  # one document is the single path: it still works
+            load_set(swa, [A, B])
+        load_set(swa, [A])  # one document is the single path: it still works
     finally:
         swa.close()
     assert set(before) <= {e.path.name for e in kvstate.list_entries()}
@@ -195,7 +201,7 @@ def test_a_routed_prefill_of_a_set_is_refused(lib):
     from kvlocal.routing import PrefillConfig
 
     with pytest.raises(UsageError, match="routed prefill"):
-        lib.load_set([A, B], prefill=PrefillConfig(mode="routed"))
+        load_set(lib, [A, B], prefill=PrefillConfig(mode="routed"))
 
 
 # routing over an assembled set (patch 0010): the question's sequence of a unified cache of two routes
@@ -210,11 +216,11 @@ SET_ORACLE_TOL = 2e-2
 STEPS = [17, 42, 99, 7, 130, 64]  # fixed answer tokens: every mode decodes the same steps
 
 
-def question_tokens(lib: Library) -> list[int]:
+def question_tokens(lib: Session) -> list[int]:
     return lib.tokenize_prompt(lib.parts.question_segments(QUESTION), bos=False)
 
 
-def set_steps(lib: Library, route: RouteConfig, steps: list[int] = STEPS) -> list[tuple[np.ndarray, ReadStats]]:
+def set_steps(lib: Session, route: RouteConfig, steps: list[int] = STEPS) -> list[tuple[np.ndarray, ReadStats]]:
     """The question read in one dense batch under `route` (geometric writes its pins there), then the
     fixed `steps` decoded one by one: logits and read stats of each."""
     lib._rewind()
@@ -227,7 +233,7 @@ def set_steps(lib: Library, route: RouteConfig, steps: list[int] = STEPS) -> lis
     return out
 
 
-def every_region_error(lib: Library) -> tuple[float, list, list]:
+def every_region_error(lib: Session) -> tuple[float, list, list]:
     """The largest |logit| difference between full attention and every region selected, and both runs."""
     full = set_steps(lib, RouteConfig(mode="full"))
     every = set_steps(lib, RouteConfig(mode="geometric", top_k=1000, region=64))
@@ -236,9 +242,9 @@ def every_region_error(lib: Library) -> tuple[float, list, list]:
 
 @pytest.mark.parametrize("layout", ["consecutive", "parallel"])
 def test_every_region_selected_over_a_set_reproduces_full_attention(lib, layout):
-    lib.load_set([Document(A.text.strip() + " " + B.text.strip(), "ab.txt", "txt")])
+    load_set(lib, [Document(A.text.strip() + " " + B.text.strip(), "ab.txt", "txt")])
     single, _, _ = every_region_error(lib)  # one sequence, about as many cells
-    load = lib.load_set([A, B], layout=layout)
+    load = load_set(lib, [A, B], layout=layout)
     assert lib.context.route_centroid_block() > 0  # two unified sequences keep centroids
     diff, full, every = every_region_error(lib)
     one = set_steps(lib, RouteConfig(mode="geometric", top_k=1, region=64))
@@ -259,7 +265,7 @@ def test_every_region_selected_over_a_set_reproduces_full_attention(lib, layout)
 
 
 def test_geometric_over_a_set_reads_fewer_rows_than_full_with_exact_counts(lib):
-    load = lib.load_set([A, B])
+    load = load_set(lib, [A, B])
     [(_, full)] = set_steps(lib, RouteConfig(mode="full"), STEPS[:1])
     routed = set_steps(lib, ROUTE)
     first = load.n_cells + len(question_tokens(lib))  # the first step's cell
@@ -284,7 +290,7 @@ def test_geometric_over_a_set_reads_fewer_rows_than_full_with_exact_counts(lib):
 
 
 def test_window_and_random_over_a_set_choose_other_regions_than_geometric(lib):
-    lib.load_set([A, B])
+    load_set(lib, [A, B])
     picks = {mode: [st.regions.copy() for _, st in set_steps(lib, RouteConfig(mode=mode, top_k=2, region=64))]
              for mode in ("geometric", "window", "random")}
     assert all(a.shape == b.shape for a, b in zip(picks["geometric"], picks["window"]))
@@ -293,7 +299,7 @@ def test_window_and_random_over_a_set_choose_other_regions_than_geometric(lib):
 
 
 def test_a_ubatch_of_several_sequences_still_falls_back(lib):
-    lib.load_set([A, B])
+    load_set(lib, [A, B])
     m = llama_cpp()
     pos = lib.n_prefix
     batch = m.llama_batch_init(2, 0, 1)
@@ -338,7 +344,7 @@ def test_a_set_answers_with_its_own_route_unless_the_route_was_tuned(lib):
     lines[20] = "row 20 holds the zanzibar ledger code 4242."
     Z = Document(" ".join(lines), "z.txt", "txt")
     defaults = RouteConfig(follows_set=True)
-    lib.load_set([A, Z])
+    load_set(lib, [A, Z])
     hinted = lib.answer("Which ledger code does Zanzibar hold?", route=defaults, max_tokens=2)
     assert hinted.hint_cells and lib.document_at(hinted.hint_cells[0]).label == "z.txt"
     assert (hinted.route.hints, hinted.route.question) == (LIBRARY_HINTS, LIBRARY_QUESTION)
@@ -349,7 +355,7 @@ def test_a_set_answers_with_its_own_route_unless_the_route_was_tuned(lib):
     tuned = RouteConfig(top_k=3)  # a route given on the command line is taken as it is
     assert lib.answer("Which ledger code does Zanzibar hold?", route=tuned, max_tokens=1).route.top_k == 3
     assert lib.answer(QUESTION, route=RouteConfig(mode="full", follows_set=True), max_tokens=1).route.mode == "full"
-    lib.load_set([Z])  # one document: the single-document defaults
+    load_set(lib, [Z])  # one document: the single-document defaults
     alone = lib.answer("Which ledger code does Zanzibar hold?", route=defaults, max_tokens=1)
     assert (alone.route.top_k, alone.route.hints, alone.route.question) == (4, 0, "dense")
 
@@ -363,16 +369,16 @@ def test_a_set_keeps_the_centroids_its_route_was_measured_with(cache_dir, tiny_m
 
     sha = resolve_model(str(tiny_model)).sha256
     monkeypatch.setitem(route_settings.MODEL_ROUTES, sha, route_settings.ModelRoute(centroid_type="q8_0"))
-    lib = Library(str(tiny_model), threads=2)
-    given = Library(str(tiny_model), threads=2, centroid_type="q8_0")
+    lib = Session(str(tiny_model), threads=2)
+    given = Session(str(tiny_model), threads=2, centroid_type="q8_0")
     try:
         assert lib.centroid_type == "q8_0"
-        lib.load_set([A, B])
+        load_set(lib, [A, B])
         assert lib.centroid_type == route_settings.LIBRARY_CENTROID_TYPE == "f16"
         assert lib.answer(QUESTION, max_tokens=2).steps
-        lib.load_set([A])
+        load_set(lib, [A])
         assert lib.centroid_type == "q8_0"
-        given.load_set([A, B])
+        load_set(given, [A, B])
         assert given.centroid_type == "q8_0"
     finally:
         lib.close()

@@ -163,25 +163,26 @@ def library_run(tiny_model, tmp_path_factory):
     """One run of a 2-document set (a fact in each) in modes full and geometric, with both references;
     every load_set call is recorded."""
     from kvlocal import kvstate
+    from kvlocal.evals import library_runner
     from kvlocal.evals.library_runner import run_library
-    from kvlocal.library import Library
+    from kvlocal.session import Session
 
     root = tmp_path_factory.mktemp("library-eval")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVLOCAL_CACHE_DIR", str(root / "cache"))
         mp.setenv("KVLOCAL_STATE_DIR", str(root / "state"))
-        lib = Library(str(tiny_model), threads=2)
+        lib = Session(str(tiny_model), threads=2)
         try:
             loads = []
-            real = lib.load_set
+            real = library_runner.load_set
 
-            def load_set(documents, **kwargs):
-                result = real(documents, **kwargs)
+            def load_set(session, documents, **kwargs):
+                result = real(session, documents, **kwargs)
                 loads.append(SimpleNamespace(labels=[d.source for d in documents], layout=kwargs.get("layout"),
-                                             result=result, spans=lib.spans))
+                                             result=result, spans=session.layout.spans))
                 return result
 
-            lib.load_set = load_set
+            mp.setattr(library_runner, "load_set", load_set)
             config = LibraryConfig(2, [LENGTH], [0], ["full", "geometric"], references=[ALONE, CONCAT],
                                    facts_per_doc=1, max_tokens=2)
             out = root / "out" / "results.jsonl"
@@ -461,11 +462,13 @@ def test_the_set_size_is_bounded_by_the_option(no_engine, value):
 
 
 def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
+    from kvlocal import library
     from kvlocal.evals import library_runner
 
-    opened, configs = [], []
-    session = SimpleNamespace(trained_ctx=32768, check_composable=lambda: None)
+    opened, configs, checked = [], [], []
+    session = SimpleNamespace(trained_ctx=32768)
     monkeypatch.setattr(cli, "_open_session", lambda *a, **k: opened.append((a, k)) or session)
+    monkeypatch.setattr(library, "check_composable", checked.append)
 
     def run_library(s, config, out, **kwargs):
         assert s is session
@@ -477,7 +480,7 @@ def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("| set | answered by |")
     (config, out, kwargs), = configs
-    assert opened[0][1] == {"library": True}
+    assert opened[0][1] == {} and checked == [session]  # a plain session; the set loader checks its model
     assert (config.n_documents, config.lengths, config.seeds, config.facts_per_doc) == (3, [8192], [0], 2)
     assert config.modes == ["full", "geometric", "window", "random"]
     assert config.references == [ALONE] and config.layout is None and config.max_tokens is None

@@ -12,7 +12,8 @@ import pytest
 from test_ingest import make_pdf
 
 from kvlocal.ingest import Document, load_document, page_starts
-from kvlocal.library import DocumentSpan, SetReads
+from kvlocal.layout import DocumentSpan, SetReads
+from kvlocal.library import load_set
 from kvlocal.routing import ReadStats, RouteConfig, RouteMode
 
 PAGES = [
@@ -103,9 +104,9 @@ def test_a_dense_answer_names_no_pages():
 
 @pytest.fixture
 def lib(cache_dir, tiny_model):
-    from kvlocal.library import Library
+    from kvlocal.session import Session
 
-    library = Library(str(tiny_model), threads=2)
+    library = Session(str(tiny_model), threads=2)
     yield library
     library.close()
 
@@ -114,7 +115,7 @@ def lib(cache_dir, tiny_model):
 def test_a_set_knows_the_cell_each_page_starts_at_and_its_reads_by_page(lib, tmp_path):
     pdf = load_document(write_pdf(tmp_path, PAGES))
     assert len(pdf.pages) == 3
-    load = lib.load_set([OTHER, pdf])
+    load = load_set(lib, [OTHER, pdf])
     span = load.spans[1]
     assert span.label == pdf.source and load.spans[0].pages == ()
     assert span.pages[0] == span.start and list(span.pages) == sorted(span.pages)
@@ -140,7 +141,7 @@ def test_a_set_knows_the_cell_each_page_starts_at_and_its_reads_by_page(lib, tmp
     assert f"{pdf.source} " in line and ("(most on p. " in line or "(most on pp. " in line)
 
     # the set's cells of the pages, relative to the body, are the single-document path's
-    single = lib.load_set([pdf])
+    single = load_set(lib, [pdf])
     assert single.layout == "single"
     assert [c - single.spans[0].start for c in single.spans[0].pages] == [c - span.start for c in span.pages]
 
@@ -150,7 +151,7 @@ def test_a_set_knows_the_cell_each_page_starts_at_and_its_reads_by_page(lib, tmp
 async def test_tiny_model_set_answer_names_documents_and_pages(cache_dir, tmp_path, tiny_model):
     from test_tui import QUESTION, notices, wait_for
 
-    from kvlocal.library import Library
+    from kvlocal.session import Session
     from kvlocal.tui.app import KvlocalApp
     from kvlocal.tui.sources import SourcesList
 
@@ -158,7 +159,7 @@ async def test_tiny_model_set_answer_names_documents_and_pages(cache_dir, tmp_pa
     folder.mkdir()
     write_pdf(folder, PAGES, "a.pdf")
     (folder / "b.txt").write_text(OTHER.text)
-    app = KvlocalApp([folder], session_factory=lambda progress: Library(str(tiny_model), threads=2,
+    app = KvlocalApp([folder], session_factory=lambda progress: Session(str(tiny_model), threads=2,
                                                                         model_progress=progress), max_tokens=6)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.document is not None or (app.busy is None and len(notices(app)) > 1), 120)

@@ -56,7 +56,7 @@ class FakeSession:
 
     route_for = Session.route_for  # the session's own rule: which route an answer takes
 
-    def load_document(self, text, *, label="", progress=None, cancel=None, use_cache=True, prefill=None):
+    def load_document(self, text, *, label="", pages=(), progress=None, cancel=None, use_cache=True, prefill=None):
         prefill = prefill or PrefillConfig()
         self.prefills.append(prefill)
         words = ["<sys>"] * 16 + text.split()
@@ -512,14 +512,14 @@ async def test_typing_during_the_load_is_kept_for_the_question(doc):
 @pytest.mark.engine
 @pytest.mark.asyncio
 async def test_tiny_model_opens_a_set_and_names_the_documents_its_sources_lie_in(cache_dir, tmp_path, tiny_model):
-    from kvlocal.library import Library
+    from kvlocal.session import Session
 
     folder = tmp_path / "set"
     folder.mkdir()
     (folder / "a.txt").write_text("\n".join(DOC.splitlines()[:20]))
     (folder / "b.txt").write_text("\n".join(line.replace("gauge", "meter") for line in DOC.splitlines()[:20]))
     (folder / "c.bin").write_bytes(b"not a document")
-    app = KvlocalApp([folder], session_factory=lambda progress: Library(str(tiny_model), threads=2,
+    app = KvlocalApp([folder], session_factory=lambda progress: Session(str(tiny_model), threads=2,
                                                                         model_progress=progress), max_tokens=8)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.document is not None or (app.busy is None and len(notices(app)) > 2), 120)
@@ -534,5 +534,5 @@ async def test_tiny_model_opens_a_set_and_names_the_documents_its_sources_lie_in
         assert entry.reads.doc_regions == -(-app.session.prefix_cells // 64)
         sources = app.query_one(SourcesList).sources
         assert sources and any(s.snippet.startswith(("[a.txt]", "[b.txt]")) for s in sources)
-        span = app.session.spans[1]
+        span = app.session.layout.spans[1]
         assert app.region_text(span.start // 64).startswith(app.session.span_text(span.start, span.start + 4))

@@ -63,13 +63,13 @@ WELCOME = "No document loaded. Press ctrl+o to open one (pdf, txt, md, html, epu
 
 
 def default_session_factory(model: str | None, threads: int | None = None, **settings: Any) -> SessionFactory:
-    """Opens the session of `model` (a Library: it loads a document or a set); `settings` are its other
-    keyword arguments (n_ctx, kv_type, centroids)."""
+    """Opens the session of `model` (it loads a document, or a set through kvlocal.library); `settings`
+    are its other keyword arguments (n_ctx, kv_type, centroids)."""
 
     def factory(progress: ModelProgressFn):
-        from kvlocal.library import Library
+        from kvlocal.session import Session
 
-        return Library(model, threads=threads, model_progress=progress, **settings)
+        return Session(model, threads=threads, model_progress=progress, **settings)
 
     return factory
 
@@ -289,6 +289,7 @@ class KvlocalApp(App[None]):
             result = session.load_document(
                 doc.text,
                 label=str(path),
+                pages=doc.pages,
                 progress=lambda p: self.post_message(PrefillProgressed(p)),
                 cancel=cancel,
                 prefill=self.prefill,
@@ -324,6 +325,7 @@ class KvlocalApp(App[None]):
     @work(thread=True, group="engine", exit_on_error=False)
     def _load_set_worker(self, paths: list[Path], cancel: threading.Event) -> None:
         from kvlocal.docset import default_max_kv, expand_documents
+        from kvlocal.library import check_set_fits, load_set
 
         first = paths[0]
         try:
@@ -341,9 +343,9 @@ class KvlocalApp(App[None]):
             if cancel.is_set():
                 raise CancelledError("cancelled: the set was not loaded")
             limit = self.max_kv if self.max_kv is not None else default_max_kv()
-            session.check_set_fits(docs.documents, limit)
-            result = session.load_set(docs.documents, progress=lambda p: self.post_message(PrefillProgressed(p)),
-                                      cancel=cancel, prefill=self.prefill)
+            check_set_fits(session, docs.documents, limit)
+            result = load_set(session, docs.documents, progress=lambda p: self.post_message(PrefillProgressed(p)),
+                              cancel=cancel, prefill=self.prefill)
         except Exception as err:  # noqa: BLE001 - anything unexpected is shown, not raised
             self.post_message(_load_failed(first, err))
             return

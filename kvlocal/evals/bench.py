@@ -217,15 +217,16 @@ def bench_library(session, sizes: list[int], length: int, route: RouteConfig, *,
     """For each set size: the eval's library set of `seed` (`kvlocal eval --library`), its missing bodies
     prefilled and cached first, then readied from the cache in a fresh context and decoded."""
     from kvlocal.evals.library_runner import LibraryConfig, make_set_case
+    from kvlocal.library import load_set
 
     results = []
     for n in sizes:
         case = make_set_case(session, LibraryConfig(n, [length], [seed], ["full"]), length, seed, None)
-        first = session.load_set(case.documents, log=log)
+        first = load_set(session, case.documents, log=log)
         if first.cache_hits < len(first.documents):
             log(f"bench library {n}: {len(first.documents) - first.cache_hits} bodies prefilled and cached")
         session.unload()
-        loaded = session.load_set(case.documents)
+        loaded = load_set(session, case.documents)
         res = SetBench(n, length, loaded.n_cells, loaded.layout, loaded.ready_seconds, session.kv_bytes())
         log(f"bench library {n} x {length}: {loaded.n_cells:,} cells ({loaded.layout}), ready in {loaded.ready_seconds:.1f} s")
         question = "Write a detailed summary of the documents, one by one."

@@ -23,9 +23,10 @@ from kvlocal.evals.library_cases import TASK, SetCase, build_set_case
 from kvlocal.evals.runner import append_row, haystack_tokens, hint_rule, route_fields, task_answer_tokens
 from kvlocal.evals.tasks import score
 from kvlocal.hints import RULE as HINT_RULE
-from kvlocal.library import Library
+from kvlocal.library import load_set
 from kvlocal.route_settings import UNCALIBRATED_ROUTE, ModelRoute
 from kvlocal.routing import RouteConfig
+from kvlocal.session import Session
 
 SET, ALONE, CONCAT = "set", "alone", "concat"
 REFERENCES = (ALONE, CONCAT)
@@ -58,7 +59,7 @@ class LibraryConfig:
         return self.max_tokens or task_answer_tokens("onekey")
 
 
-def make_set_case(session: Library, config: LibraryConfig, length: int, seed: int, filler: str | None,
+def make_set_case(session: Session, config: LibraryConfig, length: int, seed: int, filler: str | None,
                   first: int = 0) -> SetCase:
     count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
     try:
@@ -99,7 +100,7 @@ def answer_key(row: dict) -> tuple:
 
 
 def run_library(
-    session: Library,
+    session: Session,
     config: LibraryConfig,
     out: Path,
     *,
@@ -146,7 +147,7 @@ def run_library(
                 work = todo(ALONE, REFERENCE_MODES[ALONE], case.probes_of(d))
                 if not work:
                     continue
-                result = session.load_set([document], layout="consecutive")
+                result = load_set(session, [document], layout="consecutive")
                 loaded = {"layout": "alone", "n_tokens": result.n_cells, "n_positions": result.n_positions}
                 for i, route in work:
                     record(_ask(session, case, i, route, config, {**base, **loaded, "reference": ALONE}, log))
@@ -158,7 +159,7 @@ def run_library(
                     "(a dense prefill of the whole unless it is cached)")
                 start = time.perf_counter()
                 try:  # as one document: the single-document path (the read tally sees one document)
-                    result = session.load_set([Document(text, f"library-s{seed}-concatenation", "text")]).single
+                    result = load_set(session, [Document(text, f"library-s{seed}-concatenation", "text")]).single
                 except ContextOverflowError as err:  # refused before any prefill
                     log(f"concatenation of seed {seed} left out: {err}")
                     continue
@@ -171,11 +172,11 @@ def run_library(
     return rows
 
 
-def _load_set(session: Library, case: SetCase, config: LibraryConfig, base: dict,
+def _load_set(session: Session, case: SetCase, config: LibraryConfig, base: dict,
               record: Callable[[dict], None], log) -> dict:
     """Load the set; a row per body prefilled and, once every body is cached, a row for the set readied
     from the cache alone (in a fresh context: what opening the set again costs)."""
-    result = session.load_set(case.documents, layout=config.layout, log=log)
+    result = load_set(session, case.documents, layout=config.layout, log=log)
     for d, body in enumerate(result.documents):
         if not body.cache_hit:
             record({"kind": "body", "seed": case.seed, "document": base["first_document"] + d, "label": body.label,
@@ -183,7 +184,7 @@ def _load_set(session: Library, case: SetCase, config: LibraryConfig, base: dict
                     "facts_per_doc": base["facts_per_doc"], "prefill_s": body.seconds, "threads": session.threads})
     if result.cache_hits < len(result.documents):
         session.unload()
-        result = session.load_set(case.documents, layout=config.layout)
+        result = load_set(session, case.documents, layout=config.layout)
     record({"kind": "load", **{k: base[k] for k in ("n_documents", "length", "seed", "haystack", "facts_per_doc",
                                                    "first_document")},
             "layout": result.layout, "n_cells": result.n_cells, "n_positions": result.n_positions,
@@ -199,7 +200,7 @@ def _route_fields(route: RouteConfig) -> dict:
     return {**route_fields(route), "hint_rule": HINT_RULE if route.hinted else ""}
 
 
-def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config: LibraryConfig, base: dict,
+def _ask(session: Session, case: SetCase, index: int, route: RouteConfig, config: LibraryConfig, base: dict,
          log) -> dict:
     probe = case.probes[index]
     fact_document = case.probe_document[index]
@@ -209,7 +210,7 @@ def _ask(session: Library, case: SetCase, index: int, route: RouteConfig, config
         tally.add(piece.stats)
     summary = answer.summary()
     in_docs = sum(tally.documents)
-    labels = [s.label for s in session.spans]
+    labels = [s.label for s in session.layout.spans]
     own = case.documents[fact_document].source
     fact_share = (tally.documents[labels.index(own)] / in_docs) if in_docs and own in labels else None
     row = {
