@@ -1,4 +1,4 @@
-"""A routed decode step that attends to its regions in place (llama_kv_route_params.attn, patch 0017).
+"""A routed decode step that attends to its regions in place (llama_kv_route_params.attn, patches 0005 and 0007).
 
 In place, flash attention runs over the cache itself under a mask that is finite only in the
 selected regions' cells, with the number of finite cells as its sparse hint; the gather copies
