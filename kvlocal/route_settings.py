@@ -42,7 +42,7 @@ DEFAULT_CENTROID_TYPE = "f16"
 # fine ones); a step scores the coarse ones, shortlists this many regions and ranks only those by
 # their fine centroids. 0: one pass over every fine centroid. SHORTLIST_AUTO follows the document:
 # an eighth of its regions, rounded up to a multiple of 16 (16 at 8k, 32 at 16k, 64 at 32k): a
-# fixed shortlist lost long documents' needles in the coarse pass (BENCHMARKS.md §4, "The lab's
+# fixed shortlist lost long documents' needles in the coarse pass (docs/experiments/lab-tables.md, "The lab's
 # tables that chose the defaults").
 SHORTLIST_AUTO = -1
 SHORTLIST_SHARE = 8
@@ -76,13 +76,13 @@ DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's
 # Pins: the dense question pass also sums the attention its last queries give each region, and the
 # answer's steps always read the DEFAULT_PIN regions with the most of it (of their top-k; with the
 # selection memory and the dense question only): the answer steps then read the fact's region more
-# often, for one more read of K in the question pass (BENCHMARKS.md §4, "The lab's tables that chose
+# often, for one more read of K in the question pass (docs/experiments/lab-tables.md, "The lab's tables that chose
 # the defaults"; docs/experiments/uniform-route.md).
 DEFAULT_PIN = 2
 
 # Budgets per layer: "16-23=8" makes layers 16 to 23 route 8 regions at each single-token step and
 # the others top-k (llama_kv_route_set_layer_top_k). The routing lab found the look-alike fact lost
-# mostly in the last third of the default model's layers (BENCHMARKS.md §4), so the same bytes buy
+# mostly in the last third of the default model's layers (docs/experiments/lab-tables.md), so the same bytes buy
 # more there; layer numbers are a model's own, so a budget per layer is part of a model's route
 # (MODEL_ROUTES below), and none for a model without one.
 DEFAULT_LAYER_TOP_K = ""
@@ -135,7 +135,7 @@ UNCALIBRATED_ROUTE = ModelRoute()
 
 # Calibrated routes, by the model file's sha256 (so a local copy of a registry model gets its route
 # too). Qwen2.5 Coder 1.5B Q4_K_M (the default model, 28 layers): the routing lab found the one-key
-# fact lost in layers 19-23 (BENCHMARKS.md §4, "Where a route loses the fact"), so top-3 with 8 regions
+# fact lost in layers 19-23 (docs/experiments/lab-tables.md, "Where a route loses the fact"), so top-3 with 8 regions
 # in those layers, Q8_0 centroids (half the scan's bytes) and a shortlist of at least 48
 # (docs/experiments/default-model-route.md); how it answers against full attention and the controls:
 # BENCHMARKS.md §1, "The default route against full attention and the controls".
