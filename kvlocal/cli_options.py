@@ -1,9 +1,11 @@
 """The command line's options, each declared once, and the option groups the commands share.
 
 An option is a typer `Annotated` alias; its --help panel says who needs it: the everyday few (no
-panel name), then ROUTING and PREFILL tuning. A command takes a group (`RouteOptions`,
-`PrefillOptions`) as one parameter; `option_groups` shows typer the group's fields in its place and
-hands the command the group object, which turns into the core's RouteConfig or PrefillConfig.
+panel name), then ROUTING and PREFILL tuning, and the measuring commands' own (eval, bench, lab). A
+command takes a group (`RouteOptions`, `PrefillOptions`) as one parameter; `option_groups` shows typer
+the group's fields in its place and hands the command the group object, which turns into the core's
+RouteConfig or PrefillConfig. A command gives an option its default; the list options (`--lengths`,
+`--seeds`, `--budgets`, ...) are read by `ints`, `bounded` and `lengths` (UsageError naming the option).
 
 Defaults and bounds come from route_settings (no numpy, ctypes or engine here, so --help stays fast);
 a bound is checked by typer (exit 2, before any work) and again by the core.
@@ -57,7 +59,7 @@ from kvlocal.route_settings import (
 
 ROUTING = "Routing"  # --help panel of the decode route's tuning
 PREFILL = "Prefill"  # --help panel of the routed prefill's tuning
-LIBRARY = "Library"  # --help panel of the library evaluation and bench
+LIBRARY = "Library"  # --help panel of the library sets' own options (eval library, lab hints)
 
 # -- everyday -----------------------------------------------------------------------------------
 
@@ -77,21 +79,120 @@ MaxKvOpt = Annotated[Optional[str], typer.Option(
     help="Most KV cache a set of documents may take, e.g. 8GiB; a larger set is refused before loading.")]
 RouteOpt = Annotated[str, typer.Option(
     "--route", help="geometric (routed), full (dense), or the controls window and random.")]
-LengthsOpt = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k.")]
-LibraryOpt = Annotated[str, typer.Option(
-    "--library", rich_help_panel=LIBRARY, metavar="N[,N...]",
-    help="Library sets of N documents each (e.g. 4 or 4,16; each document of --lengths tokens, default 8k): "
-         "look-alike facts spread over the documents of a set, loaded as one cache (`kvlocal eval --library`, "
-         "`kvlocal bench --library`; `kvlocal lab --library` checks the text hints on them from their tokens alone).")]
 HaystackOpt = Annotated[Optional[Path], typer.Option(
     "--haystack", help="Plant the facts into this document's text instead of generated prose (each document of a "
-    "--library set starts it at another place).")]
+    "library set starts it at another place).")]
+OutOpt = Annotated[Optional[Path], typer.Option(
+    "--out", help="Where the results go: a folder (eval, lab; a rerun resumes from it) or a JSON file (bench).")]
+
+# -- the measuring commands: eval, bench, lab ------------------------------------------------------
+
+MIN_EVAL_LENGTH = 2048  # room for the needles of 11 depths, the question and the answer
+MAX_DEPTHS = 101  # needle depths (facts per haystack): one per percent
+
+LengthsOpt = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 8k,16k,32k (a library set: each document's).")]
+DepthsOpt = Annotated[int, typer.Option(
+    "--depths", min=2, max=MAX_DEPTHS, help="Facts per haystack, planted from 0% to 100% depth (the lab leaves out "
+    "facts in the sinks or the window).")]
+TasksOpt = Annotated[str, typer.Option("--tasks", help="passkey,multikey,lookalike,onekey,multivalue,multiquery,vartrack,cwe")]
+SeedsOpt = Annotated[str, typer.Option("--seeds", help="Haystack seeds.")]
+ModesOpt = Annotated[str, typer.Option("--modes", help="Routing modes to compare.")]
+SweepOpt = Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")]
+PlotsOpt = Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots (needs matplotlib).")]
+TokensOpt = Annotated[int, typer.Option("--tokens", min=1, max=MAX_ANSWER_TOKENS, help="Answer tokens timed per run.")]
+UpkeepOpt = Annotated[bool, typer.Option("--upkeep/--no-upkeep", help="Also time prefill with and without centroid upkeep (4k).")]
+TtftOpt = Annotated[bool, typer.Option(
+    "--ttft/--no-ttft", help="Also time the first answer token of a 4k document, prefilled and from the cache.")]
+ControlsOpt = Annotated[bool, typer.Option("--controls", help="Also time the window and random routes at the geometric route's budget.")]
+PlainLoopOpt = Annotated[bool, typer.Option(
+    "--plain-loop", help="Also time llama.cpp's own dense decoding loop on the same state (the reference for kvlocal's loop).")]
+OtherAttentionOpt = Annotated[bool, typer.Option(
+    "--other-attention", help="Also time the geometric route read by the other attention path than --attention's "
+    "(in place, or gathered).")]
+PrefillLengthsOpt = Annotated[str, typer.Option(
+    "--prefill-lengths", rich_help_panel=PREFILL, help="Lengths prefilled twice, dense then routed, neither from the "
+    "cache; none: skip (32k dense: ~30 min on 2 cores).")]
+RulesOpt = Annotated[str, typer.Option("--rules", help="Selection rules to replay (comma-separated), or 'all'.")]
+BudgetsOpt = Annotated[str, typer.Option("--budgets", help="Regions selected per layer and KV head.")]
+LayerBudgetOpt = Annotated[str, typer.Option(
+    "--layer-budget", help="Scale the budget per layer, e.g. 2-11:2,14-27:0.5 (layers 2-11 read twice the regions, "
+    "14-27 half); the reduction counts what each layer reads.")]
+ChunksOpt = Annotated[str, typer.Option("--chunks", help="Tokens per selection (the routed ubatch size), e.g. 512,128.")]
+EstimatesOpt = Annotated[bool, typer.Option(
+    "--estimates", help="Also score every rule with the unread regions joining the attention as their mean keys and "
+    "values (per region, per centroid block, and per block with the keys' variance).")]
+
+# a library set's own (eval library, bench library, lab hints)
+LibrarySizesArg = Annotated[str, typer.Argument(
+    metavar="N[,N...]", help="Sets of N documents each (e.g. 4 or 4,16), each document of --lengths tokens: look-alike "
+    "facts spread over the documents of a set, loaded as one cache.")]
 ParaphraseOpt = Annotated[bool, typer.Option(
     "--paraphrase", rich_help_panel=LIBRARY,
-    help="Ask each --library fact in other words (the key word kept, the rest reworded); the documents, and "
-         "their cached states, stay the same.")]
-OutOpt = Annotated[Optional[Path], typer.Option(
-    "--out", help="Where the results go (eval: a folder; bench: a JSON file).")]
+    help="Ask each fact in other words (the key word kept, the rest reworded); the documents, and their cached "
+         "states, stay the same.")]
+SetsPerSeedOpt = Annotated[int, typer.Option(
+    "--sets-per-seed", rich_help_panel=LIBRARY, min=1, max=40, help="Disjoint sets drawn from each seed's documents "
+    "(the same fact sentence; more facts per seed without more seeds' shapes).")]
+FactsPerDocOpt = Annotated[int, typer.Option(
+    "--facts-per-doc", rich_help_panel=LIBRARY, min=1, max=8, help="Facts planted in each document of a set.")]
+ReferencesOpt = Annotated[str, typer.Option(
+    "--references", rich_help_panel=LIBRARY, help="What else the facts are asked of: alone (each fact of its own "
+    "document, from its cached state), concat (the set prefilled as one document, where it fits the trained context; "
+    "32k: ~30 min on 2 cores), none.")]
+LayoutOpt = Annotated[str, typer.Option(
+    "--layout", rich_help_panel=LIBRARY, help="A set's positions: auto (consecutive while the set fits the trained "
+    "context, else parallel), consecutive or parallel.")]
+SetSeedOpt = Annotated[int, typer.Option(
+    "--set-seed", min=0, max=MAX_SEED, rich_help_panel=LIBRARY, help="The seed of the sets' documents (as `kvlocal "
+    "eval library --seeds`: a set evaluated there opens from the cache).")]
+HintScopeOpt = Annotated[str, typer.Option(
+    "--hint-scope", rich_help_panel=LIBRARY, help="What scores a hinted place: sentence (the question words within "
+    "reach of it, what `kvlocal ask` uses), region (the words of its whole region, the earlier rule), or both.")]
+
+
+def ints(text: str) -> list[int]:
+    """A comma-separated list of numbers, 8k meaning 8192."""
+    from kvlocal.errors import UsageError
+
+    try:
+        return [int(x.replace("k", "")) * (1024 if x.endswith("k") else 1) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"expected a comma-separated list of numbers, got {text!r}") from None
+
+
+def bounded(option: str, values: list[int], low: int, high: int) -> list[int]:
+    """A list option's values, each checked before any work (UsageError naming the option)."""
+    from kvlocal.errors import UsageError
+
+    bad = [v for v in values if not low <= v <= high]
+    if bad:
+        raise UsageError(f"{option}: {', '.join(map(str, bad))} not between {low} and {high:,}")
+    return values
+
+
+def lengths(text: str) -> list[int]:
+    """--lengths: context lengths of at least MIN_EVAL_LENGTH (the model's trained context is checked later)."""
+    from kvlocal.errors import UsageError
+
+    values = ints(text)
+    if not values:
+        raise UsageError("--lengths names no context length")
+    short = [n for n in values if n < MIN_EVAL_LENGTH]
+    if short:
+        raise UsageError(f"context lengths must be at least 2k (the haystack needs room for its needles, "
+                         f"the question and the answer), got {', '.join(map(str, short))}")
+    return bounded("--lengths", values, MIN_EVAL_LENGTH, MAX_CTX)
+
+
+def seeds(text: str) -> list[int]:
+    """--seeds: at least one."""
+    from kvlocal.errors import UsageError
+
+    values = ints(text)
+    if not values:
+        raise UsageError("--seeds names no seed")
+    return values
+
 
 # -- routing and prefill tuning: each alias once, then the groups whose fields they are ---------
 

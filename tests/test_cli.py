@@ -359,9 +359,9 @@ def test_lab_refuses_bad_settings_before_any_work(tmp_path):
     out = tmp_path / "lab"
     for args, says in ((["--rules", "mean16,nope"], "--rules: nope"), (["--budgets", "0"], "--budgets"),
                        (["--tasks", "cwe"], "--tasks"), (["--depths", "1"], ""),
-                       (["--prefill", "--rules", "engine,mean16"], "--rules: mean16"),  # a decode rule is not a prefill one
-                       (["--prefill", "--chunks", "512,0"], "--chunks"), (["--prefill", "--prefill-from", "-1"], "")):
-        result = run("lab", "--out", str(out), *args)
+                       (["prefill", "--rules", "engine,mean16"], "--rules: mean16"),  # a decode rule is not a prefill one
+                       (["prefill", "--chunks", "512,0"], "--chunks"), (["prefill", "--prefill-from", "-1"], "")):
+        result = run("lab", *args, "--out", str(out))  # "prefill" first: `kvlocal lab prefill`
         assert result.exit_code == 2, (args, result.output)
         assert says in result.output + result.stderr
     assert not out.exists()

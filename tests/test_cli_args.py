@@ -1,6 +1,6 @@
 """Command-line arguments checked before any work: bounds of every number, text that is not UTF-8, the TUI's terminal.
 
-None of these tests needs the engine or a model: `_open_session` is replaced by one that fails the test.
+None of these tests needs the engine or a model: `cli_common.open_session` is replaced by one that fails the test.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvlocal import cli, route_settings
+from kvlocal import cli, cli_common, route_settings
 from kvlocal.cli import app
 from kvlocal.errors import UsageError
 
@@ -36,7 +36,7 @@ def no_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("engine work started before the arguments were checked")
 
-    monkeypatch.setattr(cli, "_open_session", refuse)
+    monkeypatch.setattr(cli_common, "open_session", refuse)
 
 
 def run(*args: str):
@@ -283,7 +283,7 @@ def test_a_question_with_bytes_that_are_not_utf8_reaches_the_answer(monkeypatch,
     path.write_text(DOC)
     session = _RecordingSession()
     loaded = []
-    monkeypatch.setattr(cli, "_open_session", lambda *a, **k: session)
+    monkeypatch.setattr(cli_common, "open_session", lambda *a, **k: session)
     monkeypatch.setattr(cli, "_load", lambda s, text, label, use_cache, prefill=None, pages=(): loaded.append((text, label)))
     result = run("ask", str(path), "What did post 1 read at the caf\udce9?")
     assert "UnicodeEncodeError" not in repr(result.exception), result.exception

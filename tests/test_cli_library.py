@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvlocal import cli, kvstate
+from kvlocal import cli, cli_common, kvstate
 from kvlocal.cli import EXIT_SKIPPED, app
 from kvlocal.errors import UsageError
 
@@ -53,14 +53,14 @@ def test_the_question_is_the_last_argument_after_every_document(monkeypatch, doc
 
 @pytest.mark.parametrize("value", ["lots", "0", "-1G", "8 parsecs"])
 def test_a_bad_kv_limit_is_refused_before_any_work(monkeypatch, docs, value):
-    monkeypatch.setattr(cli, "_open_session", lambda *a, **k: pytest.fail("engine work before the check"))
+    monkeypatch.setattr(cli_common, "open_session", lambda *a, **k: pytest.fail("engine work before the check"))
     result = run("ask", str(docs[0]), str(docs[1]), "q?", "--max-kv", value)
     assert result.exit_code == 2 and "max-kv" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("layout", ["empty folder", "duplicate", "same text", "missing"])
 def test_bad_sets_are_one_line_errors_before_any_work(monkeypatch, tmp_path, docs, layout):
-    monkeypatch.setattr(cli, "_open_session", lambda *a, **k: pytest.fail("engine work before the check"))
+    monkeypatch.setattr(cli_common, "open_session", lambda *a, **k: pytest.fail("engine work before the check"))
     if layout == "empty folder":
         (tmp_path / "empty").mkdir()
         args, code, words = [docs[0], tmp_path / "empty"], 2, "holds no documents"

@@ -17,12 +17,14 @@ import typer
 from typer.models import OptionInfo
 from typer.testing import CliRunner
 
-from kvlocal import cli, cli_options
+from kvlocal import cli, cli_common, cli_measure, cli_options
 from kvlocal.cli import app
 from kvlocal.cli_options import PREFILL, ROUTING, PrefillOptions, RouteOptions
 from kvlocal.errors import UsageError
 
-SHARED = ("ask", "tui", "eval", "bench", "demo")  # commands whose options are the shared ones (lab has its own)
+# every command with options: the measuring ones by their group and command (`eval grid`: what `eval` runs)
+SHARED = ("ask", "tui", "demo", "eval grid", "eval quick", "eval library", "bench document", "bench library",
+          "lab decode", "lab prefill", "lab hints")
 ROUTING_OPTIONS = {"--top-k", "--region", "--window", "--sinks", "--shortlist", "--keep", "--pin", "--hints", "--layer-top-k",
                    "--centroid-block", "--centroid-type", "--seed", "--question-pass", "--question-top-k", "--attention"}
 PREFILL_OPTIONS = {"--prefill", "--prefill-top-k", "--prefill-from", "--prefill-ubatch"}
@@ -47,7 +49,9 @@ def panels(help_text: str) -> dict[str, list[str]]:
 
 def command_options(name: str) -> dict[str, OptionInfo]:
     """The typer Option objects a command declares, by long name (as typer reads its signature)."""
-    [info] = [c for c in app.registered_commands if (c.name or c.callback.__name__.rstrip("_")) == name]
+    group, _, command = name.rpartition(" ")
+    typers = [g.typer_instance for g in app.registered_groups if g.name == group] if group else [app]
+    [info] = [c for t in typers for c in t.registered_commands if (c.name or c.callback.__name__.rstrip("_")) == command]
     found = {}
     for param in inspect.signature(info.callback, eval_str=True).parameters.values():
         for meta in getattr(param.annotation, "__metadata__", ()):
@@ -70,9 +74,9 @@ def test_ask_help_shows_the_everyday_options_first_then_routing_then_prefill():
     assert "[default: (the model's route, else 4; a set of documents: 1)]" in result.output
 
 
-@pytest.mark.parametrize("command", ["tui", "eval", "bench"])
+@pytest.mark.parametrize("command", ["tui", "eval grid", "bench document"])
 def test_every_shared_command_puts_routing_and_prefill_tuning_in_their_panels(command):
-    shown = panels(run(command, "--help").output)
+    shown = panels(run(*command.split(), "--help").output)
     assert set(shown[ROUTING]) <= ROUTING_OPTIONS and {"--top-k", "--pin", "--shortlist"} <= set(shown[ROUTING])
     assert {"--prefill-top-k", "--prefill-from", "--prefill-ubatch"} <= set(shown[PREFILL])
     assert not (set(shown["Options"]) & (ROUTING_OPTIONS | PREFILL_OPTIONS))
@@ -86,19 +90,17 @@ def test_each_option_is_declared_once_and_shared():
             by_name.setdefault(name, set()).add(id(option))
     assert {name for name, objects in by_name.items() if len(objects) > 1} == set()
     assert len(by_name) > 25
-    assert {"--pin", "--top-k", "--prefill-top-k"} <= set(command_options("bench")) & set(command_options("tui"))
-
-
-# the lab's own options of these names mean something else there (--prefill: replay prefill rules)
-LAB_OWN = {"--prefill", "--prefill-from", "--lengths", "--out", "--depths", "--seeds", "--tasks"}
+    assert {"--pin", "--top-k", "--prefill-top-k"} <= set(command_options("bench document")) & set(command_options("tui"))
+    assert {"--lengths", "--out", "--seeds", "--haystack"} <= set(command_options("lab decode")) & set(command_options("eval library"))
 
 
 def test_each_option_name_is_spelled_in_one_declaration():
-    """In the sources of the shared commands' options, a long name is declared once."""
-    source = inspect.getsource(cli) + inspect.getsource(cli_options)
+    """In the command line's sources, a long name is declared once."""
+    source = inspect.getsource(cli) + inspect.getsource(cli_measure) + inspect.getsource(cli_options)
     shared = {name for command in SHARED for name in command_options(command)}
     declared = re.findall(r'typer\.Option\(\s*"(--[\w-]+)', source)
-    assert sorted(n for n in declared if n in shared and declared.count(n) > 1 and n not in LAB_OWN) == []
+    assert sorted(n for n in declared if declared.count(n) > 1) == []
+    assert set(declared) >= shared - {"--help"}
 
 
 def test_ask_and_its_help_do_not_import_textual():
@@ -150,14 +152,14 @@ class _Stop(Exception):
 
 
 def _stop_at_the_session(monkeypatch) -> list:
-    """_open_session records its arguments and hands back a session whose first use stops the command."""
+    """open_session records its arguments and hands back a session whose first use stops the command."""
     opened = []
 
     def open_session(*args):
         opened.append(args)
         return SimpleNamespace(trained_ctx=1 << 20, prefill_tag=lambda p: "dense")
 
-    monkeypatch.setattr(cli, "_open_session", open_session)
+    monkeypatch.setattr(cli_common, "open_session", open_session)
     return opened
 
 
@@ -184,10 +186,12 @@ def test_eval_hands_one_route_config_to_the_grid(monkeypatch, tmp_path):
     assert [(r.mode, r.top_k) for r in routes] == [("full", 3), ("geometric", 3), ("window", 3), ("random", 3),
                                                   ("geometric", 2)]
     assert all(r.question == "steps" and r.region == config.route.region for r in routes)
-    # --quick runs top-4 whatever --top-k says
+    # `eval quick` runs its own grid: passkey at 2k, every mode at top-4
     grids.clear()
-    run("eval", "--quick", "--out", str(tmp_path / "quick"), "--top-k", "9")
-    assert grids[0].route.top_k == 4
+    run("eval", "quick", "--out", str(tmp_path / "quick"))
+    assert (grids[0].route.top_k, grids[0].lengths, grids[0].tasks) == (4, [2048], ["passkey"])
+    assert grids[0].modes == ["full", "geometric", "window", "random"]
+    assert run("eval", "quick", "--top-k", "9").exit_code == 2  # no route tuning: the check is of the defaults
 
 
 def test_eval_checks_every_mode_before_any_work(monkeypatch, tmp_path):

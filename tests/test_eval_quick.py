@@ -1,4 +1,4 @@
-"""`kvlocal eval --quick` on the real default model: the ordering the claim rests on.
+"""`kvlocal eval quick` on the real default model: the ordering the claim rests on.
 
 geometric must match full, and the window and random controls at the same budget must fall
 below geometric on needles outside the window (the command exits 1 otherwise).
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.model]
 
 
 def test_quick_eval_orders_the_modes(tmp_path):
-    result = CliRunner().invoke(app, ["eval", "--quick", "--out", str(tmp_path), "--no-plots"])
+    result = CliRunner().invoke(app, ["eval", "quick", "--out", str(tmp_path), "--no-plots"])
     assert result.exit_code == 0, result.stderr
     assert "check passed" in result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())

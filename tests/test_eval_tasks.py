@@ -337,11 +337,11 @@ def test_cli_eval_takes_every_task(monkeypatch, tmp_path) -> None:
     import typer
     from typer.testing import CliRunner
 
-    from kvlocal import cli
+    from kvlocal import cli, cli_common
     from kvlocal.errors import KvlocalError
     from kvlocal.evals import runner
 
-    [tasks_option] = [p for p in typer.main.get_command(cli.app).commands["eval"].params if p.name == "tasks"]
+    [tasks_option] = [p for p in typer.main.get_command(cli.app).commands["eval"].commands["grid"].params if p.name == "tasks"]
     assert tasks_option.help == ",".join(TASKS)
 
     grids = []
@@ -350,7 +350,7 @@ def test_cli_eval_takes_every_task(monkeypatch, tmp_path) -> None:
         grids.append(config)
         raise KvlocalError("stopped at the grid")
 
-    monkeypatch.setattr(cli, "_open_session", lambda *args: SimpleNamespace(trained_ctx=32768))
+    monkeypatch.setattr(cli_common, "open_session", lambda *args: SimpleNamespace(trained_ctx=32768))
     monkeypatch.setattr(runner, "run_grid", stop_at_the_grid)
     result = CliRunner().invoke(cli.app, ["eval", "--tasks", "lookalike", "--depths", "8", "--lengths", "2k",
                                           "--out", str(tmp_path / "out")])

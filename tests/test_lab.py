@@ -218,12 +218,12 @@ def _save_capture(path, n_steps: int, n_question: int, seed: int) -> None:
 
 
 def _refuse_the_engine(monkeypatch) -> None:
-    from kvlocal import cli
+    from kvlocal import cli_common
 
     def refuse(*args, **kwargs):
         raise AssertionError("the engine was opened although the capture was saved")
 
-    monkeypatch.setattr(cli, "_open_session", refuse)
+    monkeypatch.setattr(cli_common, "open_session", refuse)
 
 
 def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):

@@ -83,7 +83,7 @@ def test_the_summary_counts_shares_with_intervals_per_seed_and_over_all():
 @pytest.mark.engine
 def test_the_command_checks_the_hints_on_the_tiny_model(tiny_model, tmp_path):
     out = tmp_path / "lab"
-    result = CliRunner().invoke(app, ["lab", "--library", "2", "--lengths", "2k", "--seeds", "0,1",
+    result = CliRunner().invoke(app, ["lab", "hints", "2", "--lengths", "2k", "--seeds", "0,1",
                                       "--hint-scope", "both", "--model", str(tiny_model), "--out", str(out)])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (out / "hints.jsonl").read_text().splitlines()]
@@ -97,6 +97,6 @@ def test_the_command_checks_the_hints_on_the_tiny_model(tiny_model, tmp_path):
 
 
 def test_the_command_refuses_an_unknown_scope(tmp_path):
-    result = CliRunner().invoke(app, ["lab", "--library", "2", "--hint-scope", "page", "--out", str(tmp_path)])
+    result = CliRunner().invoke(app, ["lab", "hints", "2", "--hint-scope", "page", "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert "--hint-scope" in result.output

@@ -144,12 +144,12 @@ def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):
 
     from typer.testing import CliRunner
 
-    from kvlocal import cli
+    from kvlocal import cli, cli_common
 
     def refuse(*args, **kwargs):
         raise AssertionError("the engine was opened although the capture was saved")
 
-    monkeypatch.setattr(cli, "_open_session", refuse)
+    monkeypatch.setattr(cli_common, "open_session", refuse)
     rng = np.random.default_rng(2)
     n_cells, dim, first = 1024, 128, 512  # 16 regions of 64; the ubatch [512, 1024) holds a fact
     keys = rng.normal(size=(1, n_cells, 2 * dim)).astype(np.float16)
@@ -157,7 +157,7 @@ def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):
     q = rng.normal(size=(n_cells - first, 1, 4, dim)).astype(np.float16)
     lp.PrefillCapture("x", keys, values, np.array([first]), [q], np.array([[600, 620]])).save(
         tmp_path / "prefill-lookalike-8192-s0-d10-from512.npz")
-    result = CliRunner().invoke(cli.app, ["lab", "--prefill", "--lengths", "8k", "--seeds", "0", "--prefill-from", "512",
+    result = CliRunner().invoke(cli.app, ["lab", "prefill", "--lengths", "8k", "--seeds", "0", "--prefill-from", "512",
                                           "--rules", "engine,oracle-sum", "--budgets", "2,100", "--chunks", "512,128",
                                           "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from kvlocal import cli
+from kvlocal import cli, cli_common
 from kvlocal.evals import library_report
 from kvlocal.evals.library_cases import (
     MAX_FACTS_PER_DOC,
@@ -422,17 +422,17 @@ def run(*args: str):
 
 @pytest.fixture
 def no_engine(monkeypatch):
-    monkeypatch.setattr(cli, "_open_session", lambda *a, **k: pytest.fail("engine work before the check"))
+    monkeypatch.setattr(cli_common, "open_session", lambda *a, **k: pytest.fail("engine work before the check"))
 
 
 @pytest.mark.parametrize("args, words", [
     (["--references", "bogus"], "--references"),
     (["--references", "alone,bogus"], "bogus"),
     (["--layout", "bogus"], "--layout"),
-    (["--quick"], "--quick"),
-    (["--library", "21"], "a seed has 20 documents"),
-    (["--library", "5", "--facts-per-doc", "8"], None),  # fine: stopped at the session below
-    (["--library", "6", "--facts-per-doc", "8"], "a seed has 5 documents"),
+    (["21"], "a seed has 20 documents"),
+    (["5", "--facts-per-doc", "8"], None),  # fine: stopped at the session below
+    (["6", "--facts-per-doc", "8"], "a seed has 5 documents"),
+    (["2", "--quick"], "No such option"),  # the needle grid's check is `kvlocal eval quick`
     (["--lengths", "1k"], "at least 2k"),
     (["--seeds", ","], "--seeds"),
     (["--modes", "full,sideways"], "sideways"),
@@ -444,8 +444,8 @@ def test_bad_library_options_are_refused_before_any_work(monkeypatch, tmp_path, 
     def open_session(*a, **k):
         raise Stop
 
-    monkeypatch.setattr(cli, "_open_session", open_session)
-    argv = ["eval", "--out", str(tmp_path / "out"), *(["--library", "2"] if "--library" not in args else []), *args]
+    monkeypatch.setattr(cli_common, "open_session", open_session)
+    argv = ["eval", "library", *(args if args[0].isdigit() else ["2", *args]), "--out", str(tmp_path / "out")]
     result = run(*argv)
     if words is None:
         assert isinstance(result.exception, Stop), result.output
@@ -457,8 +457,8 @@ def test_bad_library_options_are_refused_before_any_work(monkeypatch, tmp_path, 
 
 @pytest.mark.parametrize("value", ["41", "-1"])
 def test_the_set_size_is_bounded_by_the_option(no_engine, value):
-    result = run("eval", "--library", value)
-    assert result.exit_code == 2 and "--library" in result.output
+    result = run("eval", "library", value)
+    assert result.exit_code == 2 and "the set size N" in result.output
 
 
 def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
@@ -467,7 +467,7 @@ def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
 
     opened, configs, checked = [], [], []
     session = SimpleNamespace(trained_ctx=32768)
-    monkeypatch.setattr(cli, "_open_session", lambda *a, **k: opened.append((a, k)) or session)
+    monkeypatch.setattr(cli_common, "open_session", lambda *a, **k: opened.append((a, k)) or session)
     monkeypatch.setattr(library, "check_composable", checked.append)
 
     def run_library(s, config, out, **kwargs):
@@ -476,7 +476,7 @@ def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
         return []
 
     monkeypatch.setattr(library_runner, "run_library", run_library)
-    result = run("eval", "--library", "3", "--out", str(tmp_path / "ev"))
+    result = run("eval", "library", "3", "--out", str(tmp_path / "ev"))
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("| set | answered by |")
     (config, out, kwargs), = configs
@@ -486,7 +486,7 @@ def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
     assert config.references == [ALONE] and config.layout is None and config.max_tokens is None
     assert out == tmp_path / "ev" / "results.jsonl" and kwargs["haystack_name"] == "" and kwargs["filler"] is None
     configs.clear()
-    result = run("eval", "--library", "4", "--lengths", "2k,4k", "--seeds", "1,2", "--modes", "full,geometric",
+    result = run("eval", "library", "4", "--lengths", "2k,4k", "--seeds", "1,2", "--modes", "full,geometric",
                  "--references", "alone,concat", "--layout", "parallel", "--facts-per-doc", "3", "--top-k", "3",
                  "-n", "5", "--out", str(tmp_path / "ev"))
     assert result.exit_code == 0, result.output
@@ -495,17 +495,17 @@ def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
     assert (config.references, config.layout, config.facts_per_doc) == ([ALONE, CONCAT], "parallel", 3)
     assert config.route.top_k == 3 and config.max_tokens == 5 and config.answer_tokens == 5
     configs.clear()
-    assert run("eval", "--library", "2", "--references", "none", "--layout", "consecutive",
+    assert run("eval", "library", "2", "--references", "none", "--layout", "consecutive",
                "--out", str(tmp_path / "ev")).exit_code == 0
     assert configs[0][0].references == [] and configs[0][0].layout == "consecutive"
     # --haystack: its text is every document's filler
     filler = tmp_path / "filler.txt"
     filler.write_text(FILLER)
-    assert run("eval", "--library", "2", "--haystack", str(filler), "--out", str(tmp_path / "ev")).exit_code == 0
+    assert run("eval", "library", "2", "--haystack", str(filler), "--out", str(tmp_path / "ev")).exit_code == 0
     assert configs[-1][2]["filler"] == FILLER and configs[-1][2]["haystack_name"] == str(filler)
     # a set over the model's trained context
     session.trained_ctx = 4096
-    over = run("eval", "--library", "2", "--lengths", "8k", "--out", str(tmp_path / "ev"))
+    over = run("eval", "library", "2", "--lengths", "8k", "--out", str(tmp_path / "ev"))
     assert over.exit_code == 2 and "trained context" in over.stderr
 
 
@@ -513,7 +513,7 @@ def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
 def test_eval_library_runs_on_the_tiny_model_and_prints_the_table(library_run, tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(library_run.cache))  # the run's bodies: from the cache
     out = tmp_path / "ev"
-    result = run("eval", "--library", "2", "--lengths", "2k", "--modes", "full,geometric", "--references", "alone",
+    result = run("eval", "library", "2", "--lengths", "2k", "--modes", "full,geometric", "--references", "alone",
                  "--facts-per-doc", "1", "--model", str(tiny_model), "--threads", "2", "-n", "2", "--out", str(out))
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.strip().splitlines()
@@ -528,7 +528,7 @@ def test_eval_library_runs_on_the_tiny_model_and_prints_the_table(library_run, t
     assert "set of 2 (seed 0)" in result.stderr and "prefilling" not in result.stderr  # both bodies cached
     rows = load_rows(out / "results.jsonl")
     assert Counter(r["kind"] for r in rows) == {"answer": 6, "load": 1}
-    again = run("eval", "--library", "2", "--lengths", "2k", "--modes", "full,geometric", "--references", "alone",
+    again = run("eval", "library", "2", "--lengths", "2k", "--modes", "full,geometric", "--references", "alone",
                 "--facts-per-doc", "1", "--model", str(tiny_model), "--threads", "2", "-n", "2", "--out", str(out))
     assert again.exit_code == 0 and again.stdout == result.stdout
     assert load_rows(out / "results.jsonl") == rows
@@ -539,7 +539,7 @@ def test_bench_library_readies_the_set_from_the_cache_and_decodes_full_and_geome
                                                                                        tmp_path, monkeypatch):
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(library_run.cache))
     out = tmp_path / "bench.json"
-    result = run("bench", "--library", "2", "--lengths", "2k", "--tokens", "3", "--model", str(tiny_model),
+    result = run("bench", "library", "2", "--lengths", "2k", "--tokens", "3", "--model", str(tiny_model),
                  "--threads", "2", "--out", str(out))
     assert result.exit_code == 0, result.stderr
     assert "bodies prefilled and cached" in result.stderr  # two facts a document: not the eval run's bodies
@@ -550,9 +550,9 @@ def test_bench_library_readies_the_set_from_the_cache_and_decodes_full_and_geome
     assert entry["speedup"] == pytest.approx(entry["geometric_tps"] / entry["full_tps"])
     assert entry["bytes_reduction"] > 1  # geometric read fewer bytes than the dense baseline
     assert entry["geometric_route"].startswith("geometric: top-")  # the route the set's answer took, in words
-    assert report["seed"] == 0  # --library-seed: the eval's seed-0 set
+    assert report["seed"] == 0  # --set-seed: the eval's seed-0 set
     assert re.search(r"^\| 2 x 2k \| [\d,]+ \| consecutive \|", result.stdout, re.M)
-    assert run("bench", "--library", "2", "--lengths", "2k,4k", "--model", str(tiny_model)).exit_code == 2
+    assert run("bench", "library", "2", "--lengths", "2k,4k", "--model", str(tiny_model)).exit_code == 2
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

@@ -268,3 +268,35 @@ def length_fields(result: LengthResult, weights_bytes: int) -> dict:
         row["plain_loop_tps"] = result.runs[PLAIN_LOOP].rate
         row["full_vs_plain_loop"] = full.rate / row["plain_loop_tps"] if row["plain_loop_tps"] else 0.0
     return row
+
+
+def document_report(session: Session, results: list[LengthResult], route: RouteConfig, prefill: PrefillConfig,
+                    prefills: list[PrefillRun], first_token: dict) -> dict:
+    """`kvlocal bench`'s report (its --out file, kvlocal.evals.report.bench_text's input)."""
+    return {
+        "model": session.model.alias or str(session.model.path), "threads": session.threads,
+        **machine_fields(session),
+        "route": session.route_for(route).describe(),
+        "lengths": [length_fields(r, session.model.info.file_size) for r in results],
+        "prefill": prefill.describe(),
+        "prefill_lengths": [{"length": p.length, "n_tokens": p.n_tokens, "dense_s": p.dense_s, "routed_s": p.routed_s,
+                             "speedup": p.speedup, "bytes_reduction": p.bytes_reduction} for p in prefills],
+        "ttft_fresh_s": first_token.get("fresh"), "ttft_cached_s": first_token.get("cached"),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+def library_report(session: Session, results: list[SetBench], route: RouteConfig, seed: int) -> dict:
+    """`kvlocal bench library`'s report (its --out file, kvlocal.evals.library_report.bench_text's input)."""
+    return {
+        "model": session.model.alias or str(session.model.path), "threads": session.threads,
+        "route": session.route_for(route).describe(),
+        "seed": seed,
+        "library": [{"n_documents": r.n_documents, "length": r.length, "n_cells": r.n_cells, "layout": r.layout,
+                     "ready_s": r.ready_s, "kv_bytes": r.kv_bytes, "full_tps": r.runs["full"].rate,
+                     "geometric_tps": r.runs["geometric"].rate, "speedup": r.speedup,
+                     "bytes_reduction": r.runs["geometric"].bytes_dense / max(1, r.runs["geometric"].bytes_read),
+                     "geometric_route": r.runs["geometric"].route}
+                    for r in results],
+        "peak_rss_bytes": peak_rss_bytes(),
+    }

@@ -144,6 +144,21 @@ def bench_markdown(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def bench_text(report: dict) -> str:
+    """What `kvlocal bench library` prints of its report: a row per set, the route geometric took where it
+    was not the one asked for, and the peak memory."""
+    lines = [f"model {report['model']}, {report['threads']} threads, route {report['route']}",
+             "| set | cells | layout | KV bytes | ready from the cache | full tok/s | geometric tok/s | speedup "
+             "| KV bytes read, reduction |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['n_documents']} x {r['length'] // 1024}k | {r['n_cells']:,} | {r['layout']} | {human_bytes(r['kv_bytes'])} "
+              f"| {r['ready_s']:.1f} s | {r['full_tps']:.2f} | {r['geometric_tps']:.2f} | {r['speedup']:.2f}x "
+              f"| {r['bytes_reduction']:.1f}x |" for r in report["library"]]
+    lines += [f"geometric over {r['n_documents']} documents took the route {r['geometric_route']}"
+              for r in report["library"] if r["geometric_route"] != report["route"]]
+    lines.append(f"peak RSS: {human_bytes(report['peak_rss_bytes'])}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     bench = args[:1] == ["--bench"]

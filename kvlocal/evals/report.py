@@ -585,6 +585,26 @@ def decode_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def bench_text(report: dict) -> str:
+    """What `kvlocal bench` prints of its report: the decode table, then the prefill, time to first
+    token, memory and centroid upkeep lines of what it measured."""
+    lines = [decode_table(report)]
+    if report.get("prefill_lengths"):
+        lines += ["", f"prefill, dense vs {report['prefill']}:",
+                  "| context | dense s | routed s | speedup | attention bytes read, reduction |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {p['n_tokens']:,} | {p['dense_s']:.1f} | {p['routed_s']:.1f} | {p['speedup']:.2f}x "
+                  f"| {p['bytes_reduction']:.1f}x |" for p in report["prefill_lengths"]]
+    if report.get("ttft_fresh_s") is not None:
+        fresh, cached = report["ttft_fresh_s"], report["ttft_cached_s"]
+        lines.append(f"time to first token (4k document): fresh {fresh:.1f} s, cached {cached:.2f} s ({fresh / cached:.0f}x)")
+    lines.append(f"peak RSS: {human_bytes(report['peak_rss_bytes'])}")
+    if "centroid_upkeep" in report:
+        u = report["centroid_upkeep"]
+        lines.append(f"centroid upkeep: prefill {u['with_s']:.1f} s with vs {u['without_s']:.1f} s without "
+                     f"= {u['share']:.1%} of prefill")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m kvlocal.evals.report results.jsonl ...`: one table over the rows of several runs;
     `--routes` first: one row per route (answer-step and total reductions side by side, paired with
