@@ -171,92 +171,134 @@ def replay_prefill(cap: PrefillCapture, rules: Sequence[str], chunks: Sequence[i
     for b, first in enumerate(cap.starts):
         q_all = cap.queries[b]
         n_tok, _, n_head, dim = q_all.shape
-        end = int(first) + n_tok
-        n_head_kv = cap.doc_keys.shape[2] // dim
-        group = n_head // n_head_kv
-        n_reg = -(-end // geo.region)
-        in_fact = np.zeros(n_tok, bool)
-        for f0, f1 in cap.facts:
-            lo, hi = max(int(f0), int(first)), min(int(f1), end)
-            if lo < hi:
-                in_fact[lo - first:hi - first] = True
-        scored = np.flatnonzero(in_fact | (np.arange(n_tok) % SAMPLE_EVERY == 0))
-        pos_scored = int(first) + scored
-        f = in_fact[scored]  # which scored rows are a fact's
+        first = int(first)
+        scored, f = _scored_rows(cap.facts, first, n_tok)
         for il in (layers if layers is not None else range(n_layer)):
-            for h in range(n_head_kv):
-                sl = slice(h * dim, (h + 1) * dim)
-                keys = cap.doc_keys[il, :end, sl].astype(np.float32)
-                vals = cap.doc_values[il, :end, sl].astype(np.float32)
-                q = q_all[:, il, h * group:(h + 1) * group].astype(np.float32)  # [tok, group, dim]
-                scale = 1.0 / np.sqrt(dim)
-                # every row's centroid scores (selection uses all rows of a chunk)
-                fine_c = block_means(keys, block, n_reg, geo.region)
-                coarse_c = block_means(keys, geo.region, n_reg, geo.region)
-                fine = (q @ fine_c.T).reshape(n_tok, group, n_reg, geo.region // block).max(axis=3)
-                coarse = q @ coarse_c.T
-                # exact attention of the scored rows, summed per region, and each region's output share
-                qs = q[scored]  # [m, group, dim]
-                lg = (qs @ keys.T) * np.float32(scale)
-                lg = np.where(np.arange(end)[None, None, :] <= pos_scored[:, None, None], lg, NEG)
-                lg_max = lg.max(axis=2)
-                p = np.exp(lg - lg_max[..., None])
-                z_dense = p.sum(axis=2)
-                p /= z_dense[..., None]
-                pad = n_reg * geo.region - end
-                pr = np.pad(p, ((0, 0), (0, 0), (0, pad))).reshape(len(scored), group, n_reg, geo.region)
-                vr = np.pad(vals, ((0, pad), (0, 0))).reshape(n_reg, geo.region, dim)
-                mass = pr.sum(axis=3)  # [m, group, n_reg]
-                # estimates of each region's share (mass, output numerator) from block means: what the
-                # unread regions would add if they joined the attention as their means
-                log_z = np.log(z_dense) + lg_max  # [m, group]
-                estimated = {name: region_estimate(qs, keys, vals, n_reg, geo.region, geo.region if per == "region" else block,
-                                                   scale, log_z, var)
-                             for name, (per, var) in ESTIMATES.items() if name in estimates}
-                # [m, group, n_reg, dim]: one batched product per region
-                part = np.matmul(pr.reshape(-1, n_reg, geo.region).transpose(1, 0, 2), vr).transpose(1, 0, 2)
-                part = part.reshape(len(scored), group, n_reg, dim)
-                dense_out = part.sum(axis=2)
-                dense_norm = np.linalg.norm(dense_out, axis=-1)
-                # cells of each region that each scored row sees (causal)
-                visible = np.clip(pos_scored[:, None] + 1 - np.arange(n_reg)[None, :] * geo.region, 0, geo.region)
+            for h in range(cap.doc_keys.shape[2] // dim):
+                view = _head_view(cap, q_all, il, h, first, scored, geo, block, estimates)
                 for chunk in chunks:
-                    read = {}  # (rule, k) -> [m, n_reg] regions each scored row reads
-                    for c0 in range(0, n_tok, chunk):
-                        c1 = min(n_tok, c0 + chunk)
-                        rows = (scored >= c0) & (scored < c1)
-                        if not rows.any():
-                            continue
-                        fixed, cand_ids = geo.chunk_fixed_and_candidates(int(first) + c0, int(first) + c1)
-                        cand = np.zeros(n_reg, bool)
-                        cand[cand_ids] = True
-                        cs = ChunkScores(fine[c0:c1].reshape(-1, n_reg), coarse[c0:c1].reshape(-1, n_reg),
-                                         mass[rows].reshape(-1, n_reg), scale)
-                        for name in rules:
-                            for k in budgets:
-                                sel = PREFILL_RULES[name](cs, cand, k)
-                                m = read.setdefault((name, k), np.zeros((len(scored), n_reg), bool))
-                                m[np.ix_(rows, fixed)] = True
-                                m[np.ix_(rows, sel)] = True
-                    for (name, k), m in read.items():
-                        got = (mass * m[:, None, :]).sum(axis=2)  # [m, group]
-                        num = np.matmul(m.astype(np.float32)[:, None, None, :], part)[:, :, 0]  # [m, group, dim]
-                        err = np.linalg.norm(num / np.maximum(got, 1e-30)[..., None] - dense_out, axis=-1) / np.maximum(dense_norm, 1e-30)
-                        t = totals.setdefault((name, chunk, k), PrefillTotals([], [], [], [], defaultdict(list)))
-                        unread = (~m).astype(np.float32)[:, None, :, None]  # [m, 1, n_reg, 1]
-                        for est, (e_mass, e_part) in estimated.items():
-                            z = got + (e_mass * unread[..., 0]).sum(axis=2)
-                            e_num = num + (e_part * unread).sum(axis=2)
-                            e_err = np.linalg.norm(e_num / z[..., None] - dense_out, axis=-1) / np.maximum(dense_norm, 1e-30)
-                            t.err_est.setdefault(est, []).extend(e_err[f].ravel().tolist())
-                        t.err_fact += err[f].ravel().tolist()
-                        t.err_rest += err[~f].ravel().tolist()
-                        t.recall_fact += got[f].ravel().tolist()
-                        t.recall_rest += got[~f].ravel().tolist()
-                        t.layer_err_fact[il] += err[f].ravel().tolist()
-                        t.rows_read += int((m * visible).sum())
-                        t.rows_dense += int(visible.sum())
+                    _add_reads(totals, _chunk_reads(view, first, chunk, rules, budgets, geo), view, f, chunk, il)
     return totals
+
+
+def _scored_rows(facts: np.ndarray, first: int, n_tok: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of a ubatch from `first` that are scored (every fact token, and every SAMPLE_EVERY-th
+    row), and which of them are a fact's."""
+    in_fact = np.zeros(n_tok, bool)
+    for f0, f1 in facts:
+        lo, hi = max(int(f0), first), min(int(f1), first + n_tok)
+        if lo < hi:
+            in_fact[lo - first:hi - first] = True
+    scored = np.flatnonzero(in_fact | (np.arange(n_tok) % SAMPLE_EVERY == 0))
+    return scored, in_fact[scored]
+
+
+@dataclass
+class _HeadView:
+    """One layer and KV head of a captured ubatch: every row's centroid scores (a chunk's selection uses
+    all its rows) and the scored rows' exact attention, per region."""
+
+    n_tok: int
+    n_reg: int
+    scored: np.ndarray  # [m] the scored rows
+    scale: float
+    fine: np.ndarray  # [tok, group, n_reg] each region's best fine centroid score
+    coarse: np.ndarray  # [tok, group, n_reg]
+    mass: np.ndarray  # [m, group, n_reg] exact attention mass
+    part: np.ndarray  # [m, group, n_reg, dim] each region's share of the exact output
+    dense_out: np.ndarray  # [m, group, dim]
+    dense_norm: np.ndarray  # [m, group]
+    visible: np.ndarray  # [m, n_reg] cells of each region each scored row sees (causal)
+    estimated: dict  # estimate -> (mass, output numerator) of each region as its means
+
+
+def _head_view(cap: PrefillCapture, q_all: np.ndarray, il: int, h: int, first: int, scored: np.ndarray,
+               geo: Geometry, block: int, estimates: Sequence[str]) -> _HeadView:
+    n_tok, _, n_head, dim = q_all.shape
+    end = first + n_tok
+    group = n_head // (cap.doc_keys.shape[2] // dim)
+    n_reg = -(-end // geo.region)
+    pos_scored = first + scored
+    sl = slice(h * dim, (h + 1) * dim)
+    keys = cap.doc_keys[il, :end, sl].astype(np.float32)
+    vals = cap.doc_values[il, :end, sl].astype(np.float32)
+    q = q_all[:, il, h * group:(h + 1) * group].astype(np.float32)  # [tok, group, dim]
+    scale = 1.0 / np.sqrt(dim)
+    fine_c = block_means(keys, block, n_reg, geo.region)
+    coarse_c = block_means(keys, geo.region, n_reg, geo.region)
+    fine = (q @ fine_c.T).reshape(n_tok, group, n_reg, geo.region // block).max(axis=3)
+    coarse = q @ coarse_c.T
+    # exact attention of the scored rows, summed per region, and each region's output share
+    qs = q[scored]  # [m, group, dim]
+    lg = (qs @ keys.T) * np.float32(scale)
+    lg = np.where(np.arange(end)[None, None, :] <= pos_scored[:, None, None], lg, NEG)
+    lg_max = lg.max(axis=2)
+    p = np.exp(lg - lg_max[..., None])
+    z_dense = p.sum(axis=2)
+    p /= z_dense[..., None]
+    pad = n_reg * geo.region - end
+    pr = np.pad(p, ((0, 0), (0, 0), (0, pad))).reshape(len(scored), group, n_reg, geo.region)
+    vr = np.pad(vals, ((0, pad), (0, 0))).reshape(n_reg, geo.region, dim)
+    # estimates of each region's share (mass, output numerator) from block means: what the
+    # unread regions would add if they joined the attention as their means
+    log_z = np.log(z_dense) + lg_max  # [m, group]
+    estimated = {name: region_estimate(qs, keys, vals, n_reg, geo.region, geo.region if per == "region" else block,
+                                       scale, log_z, var)
+                 for name, (per, var) in ESTIMATES.items() if name in estimates}
+    # [m, group, n_reg, dim]: one batched product per region
+    part = np.matmul(pr.reshape(-1, n_reg, geo.region).transpose(1, 0, 2), vr).transpose(1, 0, 2)
+    part = part.reshape(len(scored), group, n_reg, dim)
+    dense_out = part.sum(axis=2)
+    visible = np.clip(pos_scored[:, None] + 1 - np.arange(n_reg)[None, :] * geo.region, 0, geo.region)
+    return _HeadView(n_tok, n_reg, scored, scale, fine, coarse, pr.sum(axis=3), part, dense_out,
+                     np.linalg.norm(dense_out, axis=-1), visible, estimated)
+
+
+def _chunk_reads(view: _HeadView, first: int, chunk: int, rules: Sequence[str], budgets: Sequence[int],
+                 geo: Geometry) -> dict:
+    """(rule, k) -> [m, n_reg]: the regions each scored row reads when each chunk of `chunk` rows chooses together."""
+    read: dict = {}
+    scored, n_reg = view.scored, view.n_reg
+    for c0 in range(0, view.n_tok, chunk):
+        c1 = min(view.n_tok, c0 + chunk)
+        rows = (scored >= c0) & (scored < c1)
+        if not rows.any():
+            continue
+        fixed, cand_ids = geo.chunk_fixed_and_candidates(first + c0, first + c1)
+        cand = np.zeros(n_reg, bool)
+        cand[cand_ids] = True
+        cs = ChunkScores(view.fine[c0:c1].reshape(-1, n_reg), view.coarse[c0:c1].reshape(-1, n_reg),
+                         view.mass[rows].reshape(-1, n_reg), view.scale)
+        for name in rules:
+            for k in budgets:
+                sel = PREFILL_RULES[name](cs, cand, k)
+                m = read.setdefault((name, k), np.zeros((len(scored), n_reg), bool))
+                m[np.ix_(rows, fixed)] = True
+                m[np.ix_(rows, sel)] = True
+    return read
+
+
+def _add_reads(totals: dict, read: dict, view: _HeadView, f: np.ndarray, chunk: int, il: int) -> None:
+    """Each rule's attention-output error and recall of the rows it read, into `totals`."""
+    for (name, k), m in read.items():
+        got = (view.mass * m[:, None, :]).sum(axis=2)  # [m, group]
+        num = np.matmul(m.astype(np.float32)[:, None, None, :], view.part)[:, :, 0]  # [m, group, dim]
+        norm = np.maximum(view.dense_norm, 1e-30)
+        err = np.linalg.norm(num / np.maximum(got, 1e-30)[..., None] - view.dense_out, axis=-1) / norm
+        t = totals.setdefault((name, chunk, k), PrefillTotals([], [], [], [], defaultdict(list)))
+        unread = (~m).astype(np.float32)[:, None, :, None]  # [m, 1, n_reg, 1]
+        for est, (e_mass, e_part) in view.estimated.items():
+            z = got + (e_mass * unread[..., 0]).sum(axis=2)
+            e_num = num + (e_part * unread).sum(axis=2)
+            e_err = np.linalg.norm(e_num / z[..., None] - view.dense_out, axis=-1) / norm
+            t.err_est.setdefault(est, []).extend(e_err[f].ravel().tolist())
+        t.err_fact += err[f].ravel().tolist()
+        t.err_rest += err[~f].ravel().tolist()
+        t.recall_fact += got[f].ravel().tolist()
+        t.recall_rest += got[~f].ravel().tolist()
+        t.layer_err_fact[il] += err[f].ravel().tolist()
+        t.rows_read += int((m * view.visible).sum())
+        t.rows_dense += int(view.visible.sum())
 
 
 # estimates of an unread region: the mean key and value of the whole region (the engine's
