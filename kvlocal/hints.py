@@ -109,7 +109,7 @@ def hint_cells(index: TextIndex, question: str, n: int, region: int, follow: int
     score by whole regions let a look-alike that fills one region beat the asked fact cut in two).
     The first `skip_regions` regions (the sinks, always read, where the prompt's instructions sit)
     are not hinted. `scope` "region" scores a place by the words of its whole region instead (the
-    rule before the sentence's reach; `kvlocal lab --library --hint-scope` compares them)."""
+    rule before the sentence's reach; `kvlocal lab hints --hint-scope` compares them)."""
     if scope not in SCOPES:
         raise ValueError(f"unknown hint scope {scope!r}")
     if n <= 0 or index.n_cells == 0:

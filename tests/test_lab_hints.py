@@ -1,4 +1,4 @@
-"""`kvlocal lab --library`: where text hints point on a library set, from its tokens alone
+"""`kvlocal lab hints`: where text hints point on a library set, from its tokens alone
 (kvlocal/lab/hints.py). The coverage logic on word-per-cell sets without an engine; the command on the
 tiny model."""
 

@@ -138,7 +138,7 @@ def test_estimate_of_uniform_regions_is_exact():
 
 
 def test_cli_replays_a_saved_capture_without_the_engine(tmp_path, monkeypatch):
-    """`kvlocal lab --prefill` finds the capture it would have made under its name and only replays it;
+    """`kvlocal lab prefill` finds the capture it would have made under its name and only replays it;
     the table goes to stdout and lab-prefill.json (one row per rule, chunk and budget)."""
     import json
 

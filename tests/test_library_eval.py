@@ -1,4 +1,4 @@
-"""`kvlocal eval --library N`: the set cases (kvlocal.evals.library_cases), the runner on the tiny model
+"""`kvlocal eval library N`: the set cases (kvlocal.evals.library_cases), the runner on the tiny model
 (kvlocal.evals.library_runner: rows, resume, the cache-only load, the per-document read attribution),
 the report on hand-made rows (kvlocal.evals.library_report) and the command line.
 

@@ -214,7 +214,7 @@ class SetBench:
 
 def bench_library(session, sizes: list[int], length: int, route: RouteConfig, *, n_tokens: int = 48,
                   repeats: int = 1, seed: int = 0, log: Callable[[str], None] = print) -> list[SetBench]:
-    """For each set size: the eval's library set of `seed` (`kvlocal eval --library`), its missing bodies
+    """For each set size: the eval's library set of `seed` (`kvlocal eval library`), its missing bodies
     prefilled and cached first, then readied from the cache in a fresh context and decoded."""
     from kvlocal.evals.library_runner import LibraryConfig, make_set_case
     from kvlocal.library import load_set

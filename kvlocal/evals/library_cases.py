@@ -1,4 +1,4 @@
-"""Look-alike facts spread over a set of documents, for `kvlocal eval --library`.
+"""Look-alike facts spread over a set of documents, for `kvlocal eval library`.
 
 A set case is N documents, each its own haystack, holding the same fact sentence with one key word
 changed (a depot's city, a contract party, a host, a year: the onekey shapes, shape = seed mod 4), as

@@ -1,8 +1,8 @@
-"""The summary of `kvlocal eval --library` rows: accuracy per set size, reference and mode with 95 %
+"""The summary of `kvlocal eval library` rows: accuracy per set size, reference and mode with 95 %
 intervals, reads per answer step, where the reads fell, and how long a cached set takes to ready.
 
 `python -m kvlocal.evals.library_report OUT/results.jsonl` prints it again from kept rows;
-`python -m kvlocal.evals.library_report --bench BENCH.json...` the tables of `kvlocal bench --library --out`.
+`python -m kvlocal.evals.library_report --bench BENCH.json...` the tables of `kvlocal bench library --out`.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def route_short(route: str) -> str:
 
 
 def bench_markdown(runs: list[tuple[str, dict]]) -> str:
-    """One row per set of `kvlocal bench --library --out FILE.json` runs: readiness from the cache, full
+    """One row per set of `kvlocal bench library --out FILE.json` runs: readiness from the cache, full
     against geometric decode over the set, and the route geometric took (a set's own when its question hints)."""
     lines = ["| run | set | cells | layout | KV bytes | ready from the cache | geometric route | full tok/s "
              "| geometric tok/s | speed-up | KV bytes read, reduction (question included) | peak RSS |",

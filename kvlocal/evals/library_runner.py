@@ -1,4 +1,4 @@
-"""`kvlocal eval --library N`: look-alike facts over a set of N documents, asked of the set in each
+"""`kvlocal eval library N`: look-alike facts over a set of N documents, asked of the set in each
 routing mode and of two references.
 
 Per seed the set is loaded once through the library (each body prefilled alone and cached, then

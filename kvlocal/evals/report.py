@@ -309,7 +309,7 @@ def _first(values):
 
 
 def check_ordering(summary: dict, tolerance: float = 0.0) -> list[str]:
-    """What `kvlocal eval --quick` asserts: geometric matches full; the controls fall below it
+    """What `kvlocal eval quick` asserts: geometric matches full; the controls fall below it
     on needles outside the window."""
     problems = []
     by = {(c["length"], c["task"], c["mode"]): c for c in summary["cells"]}

@@ -227,7 +227,7 @@ ONEKEY_SHAPES = (
 )
 
 # the same questions in other words (each shape's in the order of ONEKEY_SHAPES): the key word verbatim,
-# the rest reworded, possessives included (`kvlocal eval --library --paraphrase`)
+# the rest reworded, possessives included (`kvlocal eval library --paraphrase`)
 ONEKEY_PARAPHRASES = (
     ("I forgot the code of the night locker at our {key} depot. What is it?",
      "At the {key} depot, which code opens the locker used by the night shift?",

@@ -3,5 +3,5 @@ haystack, then replay selection rules offline against exact attention.
 
 `capture` reads the queries and keys from llama.cpp's graph and the saved KV state; `rules` holds
 the decode selection rules and their replay; `decode` captures and scores answers (`kvlocal lab`);
-`prefill` does the same for the document's own ubatches (`kvlocal lab --prefill`).
+`prefill` does the same for the document's own ubatches (`kvlocal lab prefill`).
 """

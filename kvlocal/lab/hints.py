@@ -1,11 +1,11 @@
-"""`kvlocal lab --library N`: where text hints point on a library set, from its tokens alone.
+"""`kvlocal lab hints N`: where text hints point on a library set, from its tokens alone.
 
-For each fact of a `kvlocal eval --library` set: the cells the question's words hint
+For each fact of a `kvlocal eval library` set: the cells the question's words hint
 (kvlocal/hints.py), the regions a hinted step reads for them (the session raises top-k to their
 number: RouteConfig.reading_hints), whether they lie in the fact's document and whether they hold the
 asked code whole. Nothing is prefilled or decoded: it checks the text side of the selection on many
 sets, fact shapes and fillers in seconds. Whether the model then copies the code it reads is what
-`kvlocal eval --library` measures.
+`kvlocal eval library` measures.
 """
 
 from __future__ import annotations

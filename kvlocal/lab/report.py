@@ -3,7 +3,7 @@
     python -m kvlocal.lab.report decode LAB.json...          the decode lab's rules (one row per rule and budget)
     python -m kvlocal.lab.report prefill LAB-PREFILL.json... the prefill lab's rules
     python -m kvlocal.lab.report hints [--pooled] HINTS.jsonl...
-                                                             `kvlocal lab --library`: where text hints point
+                                                             `kvlocal lab hints`: where text hints point
     python -m kvlocal.lab.report answers --results RESULTS.jsonl [--haystack FILE] [--summary] PROBES.jsonl...
                                                              the decode lab's probes beside an eval's answers
     python -m kvlocal.lab.report hint-reads [--haystack FILE] --seeds 0,1,2
@@ -59,7 +59,7 @@ def prefill_table(paths: Sequence[Path]) -> str:
 
 
 def hints_table(paths: Sequence[Path], pooled: bool = False) -> str:
-    """`kvlocal lab --library`'s table from its hints.jsonl files; `pooled`: the rows over all seeds only."""
+    """`kvlocal lab hints`'s table from its hints.jsonl files; `pooled`: the rows over all seeds only."""
     rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
     summary = hints.summarize(rows)
     if pooled:
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="table", required=True)
     sub.add_parser("decode", help="lab.json files").add_argument("files", nargs="+", type=Path)
     sub.add_parser("prefill", help="lab-prefill.json files").add_argument("files", nargs="+", type=Path)
-    hints_cmd = sub.add_parser("hints", help="hints.jsonl files of kvlocal lab --library")
+    hints_cmd = sub.add_parser("hints", help="hints.jsonl files of kvlocal lab hints")
     hints_cmd.add_argument("--pooled", action="store_true", help="only the rows over all seeds")
     hints_cmd.add_argument("files", nargs="+", type=Path)
     answers = sub.add_parser("answers", help="probes.jsonl files beside an eval's answers")
