@@ -95,3 +95,34 @@ def test_eval_rows_of_the_retired_estimate_still_load_as_other_cells(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in (row, dict(row, estimate=True))))
     old, est = load_rows(path)
     assert row_key(old) == row_key(dict(old, estimate=False)) != row_key(est)
+
+
+def test_every_route_field_a_row_records_is_in_its_key_or_left_out_on_purpose():
+    """A route setting added to RouteConfig reaches the rows (route_fields): a rerun must not take a row
+    run with another value for the same cell, so the key holds it, or says why not (NOT_IN_ROUTE_KEY)."""
+    from kvlocal.evals.runner import NOT_IN_ROUTE_KEY, ROUTE_KEY, route_fields
+    from kvlocal.routing import RouteConfig
+
+    keyed = {name for name, _ in ROUTE_KEY}
+    assert set(route_fields(RouteConfig())) <= keyed | set(NOT_IN_ROUTE_KEY)
+    assert not keyed & set(NOT_IN_ROUTE_KEY)
+
+
+def test_the_grid_and_the_library_key_a_route_the_same_way():
+    from kvlocal.evals.library_runner import answer_key
+    from kvlocal.evals.runner import route_key, row_key
+
+    route = {"mode": "geometric", "top_k": 3, "region": 64, "window": 128, "sinks": 64, "pin": 2, "keep": 0.9,
+             "shortlist": -1, "question": "dense", "question_top_k": 32, "centroid_block": 8, "hints": 0}
+    grid = {"length": 8192, "task": "onekey", "seed": 0, "probe": 1, "haystack": "", **route}
+    library = {"n_documents": 4, "length": 8192, "seed": 0, "probe": 1, "reference": "set", "haystack": "",
+               "max_tokens": 24, "facts_per_doc": 2, **route}
+    assert row_key(grid)[-len(route_key(grid)):] == answer_key(library)[-len(route_key(library)):] == route_key(grid)
+    for changed in ({"top_k": 4}, {"layer_top_k": "19-23=8"}, {"centroid_type": "q8_0"}, {"hints": 1}):
+        assert row_key(dict(grid, **changed)) != row_key(grid)
+        assert answer_key(dict(library, **changed)) != answer_key(library)
+    full = dict(grid, mode="full")  # full attention reads every cell: its route settings are no part of its key
+    assert row_key(dict(full, top_k=9, centroid_type="q8_0")) == row_key(full)
+    # the question pass is: a routed one's budget matters, a dense one's does not
+    assert row_key(dict(grid, question="routed", question_top_k=8)) != row_key(dict(grid, question="routed"))
+    assert row_key(dict(grid, question_top_k=8)) == row_key(grid)

@@ -14,9 +14,9 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean, median
 
-from kvlocal.evals.library_runner import ALONE, CONCAT, SET, load_rows
+from kvlocal.evals.library_runner import ALONE, CONCAT, SET, library_row
 from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction
-from kvlocal.evals.runner import hint_rule, question_pass
+from kvlocal.evals.runner import hint_rule, load_rows, question_pass
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.route_settings import DEFAULT_QUESTION
 from kvlocal.units import human_bytes
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     if bench:
         print(bench_markdown([(Path(p).stem, json.loads(Path(p).read_text())) for p in args]))
         return
-    rows = [row for path in args for row in load_rows(Path(path))]
+    rows = [row for path in args for row in load_rows(Path(path), library_row)]
     print(markdown(summarize(rows)))
 
 

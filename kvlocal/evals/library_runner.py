@@ -11,7 +11,6 @@ answer, "load" for a set readied from cached bodies, "body" for a body prefilled
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,7 +19,9 @@ from pathlib import Path
 from kvlocal.errors import ContextOverflowError, UsageError
 from kvlocal.ingest import Document
 from kvlocal.evals.library_cases import TASK, SetCase, build_set_case
-from kvlocal.evals.runner import append_row, haystack_tokens, hint_rule, route_fields, task_answer_tokens
+from kvlocal.evals.runner import (
+    append_row, haystack_tokens, load_rows, question_pass, route_fields, route_key, task_answer_tokens,
+)
 from kvlocal.evals.tasks import score
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.library import load_set
@@ -70,33 +71,20 @@ def make_set_case(session: Session, config: LibraryConfig, length: int, seed: in
         raise UsageError(f"cannot build a set of {config.n_documents} documents of {length} tokens: {err}") from None
 
 
-def load_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by an interrupt
-        if isinstance(row, dict) and row.get("kind") in ("answer", "load", "body"):
-            rows.append(row)
-    return rows
+ROW_KINDS = ("answer", "load", "body")
+
+
+def library_row(row: dict) -> bool:
+    """Whether a results file's row is one of this runner's (for runner.load_rows)."""
+    return row.get("kind") in ROW_KINDS
 
 
 def answer_key(row: dict) -> tuple:
-    """The cell an answer row fills (a rerun asks only the facts whose key no row has). Full attention
-    reads every cell whatever the route's budget, scoring or centroids: its key holds none of them."""
-    case = (row["n_documents"], row["length"], row["seed"], row["probe"], row["reference"], row["mode"],
-            row["question"], row["haystack"], row["max_tokens"], row["facts_per_doc"], row.get("first_document", 0),
+    """The cell an answer row fills (a rerun asks only the facts whose key no row has)."""
+    return (row["n_documents"], row["length"], row["seed"], row["probe"], row["reference"], row["mode"],
+            question_pass(row), row["haystack"], row["max_tokens"], row["facts_per_doc"], row.get("first_document", 0),
             row.get("layout_asked", "auto"),  # rows before --layout was recorded ran the automatic layout
-            row.get("questions", "template"))
-    if row["mode"] == "full":
-        return case
-    return case + (row["top_k"], row["region"], row["window"], row["sinks"], row["pin"], row["keep"], row["shortlist"],
-                   row["question_top_k"], row["centroid_block"], row.get("hints", 0), hint_rule(row),
-                   row.get("layer_top_k", ""), row.get("shortlist_floor", 0),
-                   row.get("centroid_type", "f16"))  # rows before it was recorded kept F16 centroids
+            row.get("questions", "template"), *route_key(row))
 
 
 def run_library(
@@ -111,7 +99,7 @@ def run_library(
     """Ask every fact not yet in `out` of the set and the references; returns all rows."""
     out.parent.mkdir(parents=True, exist_ok=True)
     config = replace(config, calibrated=session.calibrated_route)
-    rows = load_rows(out)
+    rows = load_rows(out, library_row)
     done = {answer_key(r) for r in rows if r["kind"] == "answer"}
     for length, seed, first in ((length, seed, k * config.n_documents) for length in config.lengths
                                 for seed in config.seeds for k in range(config.sets_per_seed)):

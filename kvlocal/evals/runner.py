@@ -116,26 +116,40 @@ def question_pass(row: dict) -> str:
     return f"q{row.get('question_top_k', 0)}" if question == "routed" else question
 
 
-def row_key(row: dict) -> tuple:
-    """The cell a row fills: a rerun asks only the probes whose key no row has. Full attention reads
-    every cell whatever the route's budget, scoring or centroids, so its key holds none of them."""
+# The route settings a row's key holds, each with the value rows written before it was recorded ran
+# (None: every row has it). Full attention reads every cell whatever they are: its key holds none.
+ROUTE_KEY = (
+    ("top_k", None), ("region", None), ("window", None), ("sinks", None),
+    ("shortlist", 0),  # rows before two-level scoring scanned every centroid
+    ("keep", 0.0),  # ... and selected afresh at every step
+    ("centroid_type", "f16"),  # ... and kept the centroids in F16 (the session's, recorded in the row)
+    ("pin", 0),  # ... and pinned nothing by the question
+    ("estimate", False),  # a row that ran the retired estimate of unread regions: another cell
+    ("hints", 0),  # rows before text hints read none
+    ("layer_top_k", ""),  # ... and gave every layer the same top-k
+    ("shortlist_floor", 0),  # ... and had no floor under an automatic shortlist
+)
+# the route fields a row records that its key holds elsewhere or not at all: the mode and the question
+# pass (question, question_top_k: `question_pass`) are in the case part; the attention path is how the
+# chosen cells are read, not which
+NOT_IN_ROUTE_KEY = ("mode", "question", "question_top_k", "attention")
+
+
+def route_key(row: dict) -> tuple:
+    """The route part of a row's key (the grid's `row_key`, the library's `answer_key`): () for full
+    attention, else its centroid block, hint rule and the ROUTE_KEY settings."""
     if row["mode"] == "full":
-        return (row["length"], row["task"], row["seed"], row["probe"], "full", row.get("haystack", ""),
-                row.get("max_tokens", task_answer_tokens(row["task"])), question_pass(row), row.get("prefill", "dense"))
-    return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row["top_k"], row["region"],
-            row["window"], row["sinks"], row.get("haystack", ""), block(row),
+        return ()
+    return (block(row), hint_rule(row), *(row[k] if old is None else row.get(k, old) for k, old in ROUTE_KEY))
+
+
+def row_key(row: dict) -> tuple:
+    """The cell a row fills: a rerun asks only the probes whose key no row has."""
+    return (row["length"], row["task"], row["seed"], row["probe"], row["mode"], row.get("haystack", ""),
             row.get("max_tokens", task_answer_tokens(row["task"])),  # older rows ran at the task's default
-            row.get("shortlist", 0),  # rows before two-level scoring scanned every centroid
-            row.get("keep", 0.0),  # ... and selected afresh at every step
             question_pass(row),  # ... and decoded the question token by token
             row.get("prefill", "dense"),  # ... and prefilled the haystack densely
-            row.get("centroid_type", "f16"),  # ... and kept the centroids in F16
-            row.get("pin", 0),  # ... and pinned nothing by the question
-            row.get("estimate", False),  # a row that ran the retired estimate of unread regions: another cell
-            row.get("hints", 0),  # rows before text hints read none
-            hint_rule(row),
-            row.get("layer_top_k", ""),  # ... and gave every layer the same top-k
-            row.get("shortlist_floor", 0))  # ... and had no floor under an automatic shortlist
+            *route_key(row))
 
 
 def hint_rule(row: dict) -> str:
@@ -143,16 +157,19 @@ def hint_rule(row: dict) -> str:
     return row.get("hint_rule", "region") if row.get("hints") else ""
 
 
-def load_rows(path: Path) -> list[dict]:
+def load_rows(path: Path, accepts: Callable[[dict], object] = row_key) -> list[dict]:
+    """The rows of a results file (JSON lines) that `accepts` takes: the grid's by default, a row whose
+    key can be made. A line cut short by an interrupt, or not one of these rows, is left out."""
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
-            row_key(row)
+            if not isinstance(row, dict) or not accepts(row):
+                continue
         except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by an interrupt, or not one of our rows
+            continue
         rows.append(row)
     return rows
 
