@@ -25,8 +25,7 @@ from kvlocal.errors import ContextOverflowError, DocumentError, KvlocalError, Us
 from kvlocal.ggml_types import TYPE_IDS
 from kvlocal.gguf_header import GGUFInfo
 from kvlocal.ingest import KIND_BY_SUFFIX, Document, load_document
-from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE
-from kvlocal.session import ANSWER_RESERVE
+from kvlocal.route_settings import ANSWER_RESERVE, COARSE_BLOCK, DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE
 from kvlocal.units import human_bytes
 
 STDIN = "-"
@@ -38,7 +37,6 @@ CHARS_PER_TOKEN = 3.5
 # tokens a document's KV state holds besides its text: the prompt template's head (about 60 tokens
 # with kvlocal's instructions) and the padding to a whole region
 TOKENS_PER_DOCUMENT = 128
-COARSE_BLOCK = 64  # cells per coarse centroid (the engine's LLAMA_KV_CENT_COARSE_BLK)
 
 # the default --max-kv: this share of the machine's physical memory (the weights, the centroids'
 # scratch and the rest of the system need the remainder)

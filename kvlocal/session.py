@@ -42,7 +42,8 @@ from kvlocal.routing import (
     PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_centroid_type, check_region_block,
 )
 
-ANSWER_RESERVE = 768  # context tokens kept free for a question and its answer
+from kvlocal.route_settings import ANSWER_RESERVE  # the KV estimate (docset) reads it there too
+
 CTX_ROUND = 256
 
 

@@ -127,3 +127,16 @@ def test_the_cli_does_not_load_textual_at_import():
                 outside.add(target.split(".")[0])
     assert "kvlocal.tui" not in seen and not any(name.startswith("kvlocal.tui.") for name in seen)
     assert "textual" not in outside
+
+
+def test_the_document_set_reaches_neither_the_session_nor_the_engine():
+    """kvlocal.docset sizes a set before any engine work (the sizes it shares with the session live in
+    route_settings): nothing it imports, even inside a function, reaches the session or the engine."""
+    edges = graph()
+    seen, todo = set(), ["kvlocal.docset"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += edges[name]
+    assert "kvlocal.ingest" in seen and not {"kvlocal.session", "kvlocal.engine", "kvlocal.library"} & seen
