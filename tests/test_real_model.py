@@ -8,6 +8,9 @@ from __future__ import annotations
 import pytest
 
 
+from kvlocal.route_settings import (  # noqa: E402
+    DEFAULT_REGION, DEFAULT_SINKS, DEFAULT_WINDOW, UNCALIBRATED_ROUTE, parse_layer_top_k,
+)
 from kvlocal.routing import RouteConfig  # noqa: E402
 from kvlocal.sample import SAMPLE_ANSWER, SAMPLE_QUESTION, sample_document  # noqa: E402
 from kvlocal.session import Session  # noqa: E402
@@ -24,10 +27,26 @@ def session(tmp_path_factory):
 
 
 def test_default_route_answers_the_planted_fact(session):
-    summary = session.answer(SAMPLE_QUESTION, max_tokens=32)
+    """The default model's calibrated route (route_settings.MODEL_ROUTES; docs/routing.md): every answer
+    step reads, per layer and KV head, the sink and window regions and its top-k, the layers of its
+    budget per layer more (top-3, 8 in layers 19-23): exactly those regions, no fallback."""
+    route = session.calibrated_route
+    assert route is not UNCALIBRATED_ROUTE and route.layer_top_k
+    answer = session.ask(SAMPLE_QUESTION, max_tokens=32, want_regions=True)
+    steps = [piece.stats for piece in answer if piece.stats is not None]
+    summary = answer.summary()
     assert SAMPLE_ANSWER in summary.text
-    assert summary.fallback == ""
-    assert summary.reduction > 1.5  # 8 regions of 64 + sinks + window out of ~3.1k tokens
+    assert summary.fallback == "" and len(steps) == summary.n_answer_tokens > 0
+    top_k = [route.top_k] * steps[0].n_layer
+    for first, last, k in parse_layer_top_k(route.layer_top_k):
+        top_k[first:last + 1] = [k] * (last - first + 1)
+    fixed = -(-DEFAULT_SINKS // DEFAULT_REGION) + -(-DEFAULT_WINDOW // DEFAULT_REGION)
+    for st in steps:
+        assert st.region_size == DEFAULT_REGION and st.n_layer_routed == st.n_layer == 28
+        read = [[int((st.regions[layer, head] >= 0).sum()) for head in range(st.n_head_kv)] for layer in range(st.n_layer)]
+        assert read == [[fixed + k] * st.n_head_kv for k in top_k]
+        assert st.rows_read == st.n_head_kv * DEFAULT_REGION * sum(fixed + k for k in top_k) < st.rows_dense
+    assert summary.reduction > 1
 
 
 def test_every_region_selected_reproduces_dense(session):
