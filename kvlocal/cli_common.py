@@ -25,24 +25,6 @@ class DefaultGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
 
-app = typer.Typer(
-    help="Ask questions about long documents with a local Qwen model that reads only a routed part of its KV cache.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-cache_app = typer.Typer(help="Saved KV states of prefilled documents.", no_args_is_help=True)
-app.add_typer(cache_app, name="cache")
-# the measuring commands: each a group whose first command is what the bare command runs
-eval_app = typer.Typer(cls=DefaultGroup, help="Accuracy and KV reads of every routing mode on planted facts "
-                       "(`kvlocal eval` is `kvlocal eval grid`).")
-bench_app = typer.Typer(cls=DefaultGroup, help="Decode and prefill speed, memory and time to first token "
-                        "(`kvlocal bench` is `kvlocal bench document`).")
-lab_app = typer.Typer(cls=DefaultGroup, help="The routing lab: selection rules replayed offline on the dense model's "
-                      "real queries (`kvlocal lab` is `kvlocal lab decode`).")
-app.add_typer(eval_app, name="eval")
-app.add_typer(bench_app, name="bench")
-app.add_typer(lab_app, name="lab")
 def err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 

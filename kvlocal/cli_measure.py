@@ -15,7 +15,6 @@ import typer
 from kvlocal import cli_common as common
 from kvlocal.cli_common import DefaultGroup, err, handles_errors
 from kvlocal.cli_options import (
-    BudgetsOpt,
     ChunksOpt,
     ControlsOpt,
     DepthsOpt,
@@ -24,6 +23,7 @@ from kvlocal.cli_options import (
     HaystackOpt,
     HintScopeOpt,
     HintsOpt,
+    LabOptions,
     LayerBudgetOpt,
     LayoutOpt,
     LengthsOpt,
@@ -43,7 +43,6 @@ from kvlocal.cli_options import (
     ReferencesOpt,
     RegionOpt,
     RouteOptions,
-    RulesOpt,
     SeedsOpt,
     SetSeedOpt,
     SetsPerSeedOpt,
@@ -54,7 +53,6 @@ from kvlocal.cli_options import (
     TokensOpt,
     TtftOpt,
     UpkeepOpt,
-    WindowOpt,
     bounded,
     ints,
     lengths as parse_lengths,
@@ -68,7 +66,6 @@ from kvlocal.route_settings import (
     DEFAULT_PREFILL_FROM as PREFILL_FROM,
     DEFAULT_REGION as REGION,
     DEFAULT_SINKS as SINKS,
-    DEFAULT_WINDOW as WINDOW,
     MAX_TOP_K,
     MODES,
 )
@@ -352,52 +349,48 @@ def bench_library(
 # -- lab ----------------------------------------------------------------------------------------
 
 
-def _lab_plan(rules: str, table: dict, tasks: str, budgets: str, lengths: str, region: int, window: int, sinks: int,
-              depths: int):
-    """The lab's options, checked before any work: (rules, tasks, budgets, lengths, geometry, depths)."""
+def _lab_captures(lab: LabOptions, table: dict, model, threads, *, name_of, load, capture):
+    """The lab's options checked before any work, then OUT made and the haystacks' captures (found there, or
+    captured on the engine at first use): (rules, budgets, geometry, captures)."""
     from kvlocal.evals.runner import depth_grid
     from kvlocal.evals.tasks import TASKS
+    from kvlocal.lab import runs
     from kvlocal.lab.rules import Geometry
 
-    names = list(table) if rules.strip() == "all" else [r.strip() for r in rules.split(",") if r.strip()]
+    names = list(table) if lab.rules.strip() == "all" else [r.strip() for r in lab.rules.split(",") if r.strip()]
     unknown = [r for r in names if r not in table]
     if unknown or not names:
         raise UsageError(f"--rules: {', '.join(unknown) or 'none given'}; choose from {', '.join(table)}")
-    task_list = [t.strip() for t in tasks.split(",") if t.strip()]
-    if not task_list or any(t not in TASKS or t == "cwe" for t in task_list):
+    tasks = [t.strip() for t in lab.tasks.split(",") if t.strip()]
+    if not tasks or any(t not in TASKS or t == "cwe" for t in tasks):
         raise UsageError(f"--tasks: choose from {', '.join(t for t in TASKS if t != 'cwe')}")
-    ks = ints(budgets)
+    ks = ints(lab.budgets)
     if not ks or min(ks) < 1:
         raise UsageError("--budgets: give positive region counts, e.g. 4,8")
     bounded("--budgets", ks, 1, MAX_TOP_K)
-    length_list = parse_lengths(lengths)
+    lengths = parse_lengths(lab.lengths)
     # the region geometry checked as the engine would (the lab keeps no centroid block)
-    RouteOptions(top_k=max(ks), region=region, window=window, sinks=sinks, centroid_block=0).config("geometric")
-    return names, task_list, ks, length_list, Geometry(region=region, sinks=sinks, window=window), depth_grid(depths)
+    RouteOptions(top_k=max(ks), region=lab.region, window=lab.window, sinks=lab.sinks, centroid_block=0).config("geometric")
+    lab.out.mkdir(parents=True, exist_ok=True)
+    # the session opened at the first capture (through cli_common, which tests replace)
+    open_session = lambda: common.check_lengths_fit(common.open_session(model, None, threads, "f16"), lengths)  # noqa: E731
+    found = runs.captures(lab.out, lengths, tasks, ints(lab.seeds), depth_grid(lab.depths), open_session,
+                          name_of=name_of, load=load, capture=capture, haystack=lab.haystack, log=_log)
+    return names, ks, Geometry(region=lab.region, sinks=lab.sinks, window=lab.window), found
 
 
-def _lab_session(model, threads, lengths: list[int]):
-    """The lab's session, opened at its first capture (`_open_session` looked up then, as tests replace it)."""
-    return lambda: common.check_lengths_fit(common.open_session(model, None, threads, "f16"), lengths)
+def _log(line: str) -> None:
+    err(f"kvlocal: {line}")
 
 
 @lab_app.command("decode")
 @handles_errors
+@option_groups
 def lab_decode(
-    lengths: LengthsOpt = "8k",
-    tasks: TasksOpt = "lookalike",
-    depths: DepthsOpt = 10,
-    seeds: SeedsOpt = "0",
-    rules: RulesOpt = "all",
-    budgets: BudgetsOpt = "8",
-    out: OutOpt = Path("kvlocal-lab"),
+    lab: LabOptions = LabOptions(),
     layer_budget: LayerBudgetOpt = "",
-    haystack: HaystackOpt = None,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
-    region: RegionOpt = REGION,
-    window: WindowOpt = WINDOW,
-    sinks: SinksOpt = SINKS,
 ) -> None:
     """Capture the dense model's real queries and keys once per haystack, then replay selection rules offline.
 
@@ -407,58 +400,37 @@ def lab_decode(
     from kvlocal.lab import decode, runs
     from kvlocal.lab.rules import RULES
 
-    names, task_list, ks, length_list, geo, depth_list = _lab_plan(rules, RULES, tasks, budgets, lengths, region,
-                                                                   window, sinks, depths)
-    seed_list = ints(seeds)
-    out.mkdir(parents=True, exist_ok=True)
-    log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
-    found = runs.captures(
-        out, length_list, task_list, seed_list, depth_list, _lab_session(model, threads, length_list),
-        name_of=lambda task, length, seed: f"{task}-{length}-s{seed}-d{depths}", load=decode.CaseCapture.load,
+    names, ks, geo, found = _lab_captures(
+        lab, RULES, model, threads, name_of=lambda task, length, seed: f"{task}-{length}-s{seed}-d{lab.depths}",
+        load=decode.CaseCapture.load,
         capture=lambda session, case, task, name, log: decode.capture_case(session, case, name,
-                                                                           task_answer_tokens(task), log=log),
-        haystack=haystack, log=log)
-    print(runs.decode_lab(out, found, names, ks, geo, layer_budget, log))
+                                                                           task_answer_tokens(task), log=log))
+    print(runs.decode_lab(lab.out, found, names, ks, geo, layer_budget, _log))
 
 
 @lab_app.command("prefill")
 @handles_errors
+@option_groups
 def lab_prefill(
-    lengths: LengthsOpt = "8k",
-    tasks: TasksOpt = "lookalike",
-    depths: DepthsOpt = 10,
-    seeds: SeedsOpt = "0",
-    rules: RulesOpt = "all",
-    budgets: BudgetsOpt = "8",
+    lab: LabOptions = LabOptions(),
     chunks: ChunksOpt = "512,128",
     prefill_from: PrefillFromOpt = PREFILL_FROM,
     estimates: EstimatesOpt = False,
-    out: OutOpt = Path("kvlocal-lab"),
-    haystack: HaystackOpt = None,
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
-    region: RegionOpt = REGION,
-    window: WindowOpt = WINDOW,
-    sinks: SinksOpt = SINKS,
 ) -> None:
     """Routed-prefill rules replayed offline: the queries of the document's ubatches that hold facts (from --prefill-from on), each chunk of --chunks tokens choosing --budgets regions; per rule, chunk and budget the attention-output error of those rows against dense prefill."""
     from kvlocal.lab import prefill, runs
 
-    names, task_list, ks, length_list, geo, depth_list = _lab_plan(rules, prefill.PREFILL_RULES, tasks, budgets,
-                                                                   lengths, region, window, sinks, depths)
     chunk_list = ints(chunks)
     if not chunk_list or min(chunk_list) < 1:
         raise UsageError("--chunks: give positive token counts, e.g. 512,128")
-    seed_list = ints(seeds)
-    out.mkdir(parents=True, exist_ok=True)
-    log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
-    found = runs.captures(
-        out, length_list, task_list, seed_list, depth_list, _lab_session(model, threads, length_list),
-        name_of=lambda task, length, seed: f"prefill-{task}-{length}-s{seed}-d{len(depth_list)}-from{prefill_from}",
+    names, ks, geo, found = _lab_captures(
+        lab, prefill.PREFILL_RULES, model, threads,
+        name_of=lambda task, length, seed: f"prefill-{task}-{length}-s{seed}-d{lab.depths}-from{prefill_from}",
         load=prefill.PrefillCapture.load,
-        capture=lambda session, case, task, name, log: prefill.capture_prefill(session, case, name, prefill_from, log=log),
-        haystack=haystack, log=log)
-    print(runs.prefill_lab(out, found, names, chunk_list, ks, geo, estimates, log))
+        capture=lambda session, case, task, name, log: prefill.capture_prefill(session, case, name, prefill_from, log=log))
+    print(runs.prefill_lab(lab.out, found, names, chunk_list, ks, geo, estimates, _log))
 
 
 @lab_app.command("hints")

@@ -339,7 +339,25 @@ class PrefillOptions:
         return PrefillConfig(mode=mode, top_k=self.prefill_top_k, start=self.prefill_from, ubatch=self.prefill_ubatch)
 
 
-OPTION_GROUPS = (RouteOptions, PrefillOptions)
+@dataclass(frozen=True)
+class LabOptions:
+    """The haystacks a lab run captures (as `kvlocal eval` plants them), the rules it replays and their
+    budgets, and the region geometry (lab decode, lab prefill)."""
+
+    lengths: LengthsOpt = "8k"
+    tasks: TasksOpt = "lookalike"
+    depths: DepthsOpt = 10
+    seeds: SeedsOpt = "0"
+    rules: RulesOpt = "all"
+    budgets: BudgetsOpt = "8"
+    out: OutOpt = Path("kvlocal-lab")
+    haystack: HaystackOpt = None
+    region: RegionOpt = DEFAULT_REGION
+    window: WindowOpt = DEFAULT_WINDOW
+    sinks: SinksOpt = DEFAULT_SINKS
+
+
+OPTION_GROUPS = (RouteOptions, PrefillOptions, LabOptions)
 
 
 def option_groups(command):
