@@ -41,6 +41,7 @@ from kvlocal.cli_options import (
     option_groups,
 )
 from kvlocal.errors import KvlocalError
+from kvlocal.serve.command import serve as serve_command
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK,
     DEFAULT_MODE,
@@ -946,6 +947,9 @@ def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: P
     print(f"peak RSS: {human_bytes(report['peak_rss_bytes'])}")
     if out:
         write_text_atomic(out, json.dumps(report, indent=2))
+
+
+app.command("serve")(handles_errors(serve_command))
 
 
 def version_callback(value: bool) -> None:
