@@ -256,21 +256,26 @@ class DocumentReads:
         self.reads = reads
         self.layer_heads = 0  # rows a cell holds, summed over the steps: a dense read of one cell
         self.region_size = 0
+        self.rows_read = 0  # the engine's count over the answer's steps
 
     def add(self, stats: ReadStats | None) -> None:
         self.reads.add(stats)
         if stats is not None:
             self.layer_heads += stats.n_layer * stats.n_head_kv
+            self.rows_read += stats.rows_read
             self.region_size = stats.region_size or self.region_size
 
     def report(self, summary) -> dict:
-        """The kv_reads extension field: the answer's bytes read against dense, and each document's share
-        (its rows as the engine reported them, in bytes at the dense read's bytes per row)."""
+        """The kv_reads extension field: the answer's bytes read against dense (the question's read
+        included), and over the answer's steps the rows the engine reported read (`answer_rows_read`) by
+        where they lie: each document (in bytes too, at the dense read's bytes per row), the template
+        head, and the question and answer."""
         per_row = summary.bytes_dense / summary.rows_dense if summary.rows_dense else 0.0
         documents = [{"document": span.label, "rows_read": rows, "bytes_read": round(rows * per_row),
                       "bytes_dense": round((span.end - span.start) * self.layer_heads * per_row)}
                      for span, rows in zip(self.reads.spans, self.reads.documents)]
         return {"bytes_read": summary.bytes_read, "bytes_dense": summary.bytes_dense,
                 "reduction": round(summary.reduction, 2), "steps": summary.steps, "rows_read": summary.rows_read,
-                "route": summary.route.mode, "documents": documents, "template_rows": self.reads.head,
+                "route": summary.route.mode, "answer_rows_read": self.rows_read, "documents": documents,
+                "template_rows": self.reads.head,
                 "question_answer_rows": self.reads.rest}
