@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +33,9 @@ from kvlocal.route_settings import DEFAULT_MODE  # noqa: E402
 from kvlocal.serve.command import check_host, make_server, open_state  # noqa: E402
 from kvlocal.serve.schemas import Limits  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
+from kvlocal.sample import SAMPLE_ANSWER, SAMPLE_QUESTION, sample_document  # noqa: E402
 from kvlocal.session import Session  # noqa: E402
+from test_ingest import make_pdf  # noqa: E402
 
 
 def words(tag: str, n: int = 60) -> str:
@@ -66,10 +69,10 @@ class Running:
 
 
 @contextlib.contextmanager
-def serving(model: Path, sources=(), keys=(), limits: Limits = Limits(), **options):
+def serving(model: Path | None, sources=(), keys=(), limits: Limits = Limits(), **options):
     """A server in a thread on a socket bound (and listening) before it starts: a client can connect at
     once, and its request is served as soon as the app has started."""
-    state = open_state([str(s) for s in sources], list(keys), limits, model=str(model), threads=2, audit=True,
+    state = open_state([str(s) for s in sources], list(keys), limits, model=model and str(model), threads=2, audit=True,
                        **options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -368,3 +371,23 @@ def test_ctrl_c_stops_the_command_cleanly_with_the_cache_written(tiny_model, cac
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- the real model ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_the_openai_client_streams_the_planted_fact_of_an_attached_pdf(cache_dir):
+    """The README's example: the default model, the sample report as a PDF of a few pages,
+    the question streamed back with the `openai` package."""
+    lines = [line for paragraph in sample_document().split("\n\n") for line in [*textwrap.wrap(paragraph, 90), ""]]
+    pages = [lines[i : i + 48] for i in range(0, len(lines), 48)]  # lines that fit the page: pdfium reads the page
+    with serving(None) as running:
+        stream = running.client().chat.completions.create(
+            model="qwen2.5-coder-1.5b", max_tokens=48, stream=True, messages=[{"role": "user", "content": [
+                file_part("report.pdf", make_pdf(pages), "application/pdf"), {"type": "text", "text": SAMPLE_QUESTION}]}])
+        chunks = list(stream)
+    answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert SAMPLE_ANSWER in answer
+    reads = chunks[-1].model_extra["kv_reads"]
+    assert reads["documents"][0]["document"] == "report.pdf" and reads["bytes_read"] < reads["bytes_dense"]
