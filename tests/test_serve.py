@@ -53,8 +53,8 @@ class Running:
         self.scheduler = state.scheduler
         self.url = f"http://127.0.0.1:{port}/v1"
 
-    def client(self, key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
+    def client(self, key: str = "none", timeout: float = 120) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=timeout)
 
     def post(self, body, key: str | None = None, **kwargs) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -383,7 +383,7 @@ def test_the_openai_client_streams_the_planted_fact_of_an_attached_pdf(cache_dir
     lines = [line for paragraph in sample_document().split("\n\n") for line in [*textwrap.wrap(paragraph, 90), ""]]
     pages = [lines[i : i + 48] for i in range(0, len(lines), 48)]  # lines that fit the page: pdfium reads the page
     with serving(None) as running:
-        stream = running.client().chat.completions.create(
+        stream = running.client(timeout=1800).chat.completions.create(  # the first token follows the prefill
             model="qwen2.5-coder-1.5b", max_tokens=48, stream=True, messages=[{"role": "user", "content": [
                 file_part("report.pdf", make_pdf(pages), "application/pdf"), {"type": "text", "text": SAMPLE_QUESTION}]}])
         chunks = list(stream)
