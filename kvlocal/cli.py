@@ -36,6 +36,7 @@ from kvlocal.cli_options import (
 )
 from kvlocal.errors import KvlocalError, UsageError
 from kvlocal.route_settings import DEFAULT_MODE, DEFAULT_PREFILL
+from kvlocal.serve.command import serve as serve_command
 
 app = typer.Typer(
     help="Ask questions about long documents with a local Qwen model that reads only a routed part of its KV cache.",
@@ -342,6 +343,9 @@ def _check_terminal() -> None:
 
 
 # -- eval ---------------------------------------------------------------------------------------
+
+
+app.command("serve")(handles_errors(serve_command))
 
 
 def version_callback(value: bool) -> None:

@@ -20,7 +20,7 @@ from urllib.parse import unquote
 
 import pypdfium2 as pdfium
 
-from kvlocal.errors import DocumentError, UsageError
+from kvlocal.errors import DocumentError, KvlocalError, UsageError
 
 KIND_BY_SUFFIX = {
     ".pdf": "pdf",
@@ -82,6 +82,11 @@ def load_document(source: str | os.PathLike[str], *, stdin: BinaryIO | None = No
     else:
         name = os.fspath(source)
         kind, data = _read_file(Path(source), name)
+    return _document(data, name, kind)
+
+
+def _document(data: bytes, name: str, kind: str) -> Document:
+    """The text of `data`, read as `kind`; DocumentError when it has none."""
     if not data or data.isspace():
         raise DocumentError(f"{name} is empty")
     pages: list[str] = []
@@ -165,7 +170,7 @@ def _read_file(path: Path, name: str) -> tuple[str, bytes]:
         raise DocumentError(f"no such file: {name}")
     if path.is_dir():
         raise DocumentError(f"{name} is a directory, not a document")
-    kind = _kind_for(path, name) if path.suffix else None
+    kind = KIND_BY_SUFFIX.get(path.suffix.lower())  # an unknown suffix (notes.rst, Apache-2.0): by content
     try:
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size  # 0 for a pipe or a device such as /dev/zero
@@ -173,23 +178,41 @@ def _read_file(path: Path, name: str) -> tuple[str, bytes]:
                 raise DocumentError(_too_large_message(name, kind))
             if kind:
                 return kind, _read_capped(fh, MAX_INPUT_BYTES[kind], name, kind)
-            return _read_sniffed(fh, name)
+            return _read_sniffed(fh, name, path.suffix or None)
     except OSError as err:
         raise DocumentError(f"cannot read {name}: {err.strerror or err}") from None
 
 
-def _read_sniffed(stream: BinaryIO, name: str) -> tuple[str, bytes]:
-    """Kind and bytes of a stream whose kind is told by its content, read up to that kind's bound."""
+def _read_sniffed(stream: BinaryIO, name: str, suffix: str | None = None) -> tuple[str, bytes]:
+    """Kind and bytes of a stream whose kind is told by its content, read up to that kind's bound.
+    `suffix`: the name's extension, where the stream is a named file's or an upload's (binary
+    content is then refused as an unsupported type, in the words an unknown extension always got)."""
     head = stream.read(_READ_CHUNK)
     # a ZIP's directory sits at its end: an EPUB is only recognised once read whole
     bound_kind = "epub" if head.startswith(b"PK") else sniff_kind(head)
-    if bound_kind == "txt" and not head.startswith(tuple(bom for bom, _ in _BOMS)) and _looks_binary(head):
-        raise DocumentError(f"{name} looks like binary data, not text")  # said before reading on
+    if bound_kind == "txt" and _binary_text(head):
+        raise _binary_error(name, suffix)  # said before reading on
     data = head + _read_capped(stream, MAX_INPUT_BYTES[bound_kind] - len(head), name, bound_kind)
     kind = sniff_kind(data) if bound_kind == "epub" else bound_kind
     if len(data) > MAX_INPUT_BYTES[kind]:
         raise DocumentError(_too_large_message(name, kind))
+    if kind == "txt" and bound_kind == "epub" and _binary_text(data):
+        raise _binary_error(name, suffix)  # a ZIP that is no EPUB (a .docx, a .jar)
     return kind, data
+
+
+def read_bytes(data: bytes, name: str, declared: str | None = None) -> Document:
+    """A document from bytes received whole (an upload): its kind told by its content, the `declared`
+    kind ("pdf", "html", "txt", ... or None) taken only where the content agrees with it: a PDF or an
+    EPUB is one by its bytes whatever was declared, and declared HTML or Markdown text is read so
+    when the bytes are text. DocumentError or UsageError as load_document raises them."""
+    if len(data) > max(MAX_INPUT_BYTES.values()):
+        raise DocumentError(_too_large_message(name, "pdf"))
+    declared = declared or KIND_BY_SUFFIX.get(Path(name).suffix.lower())
+    kind, data = _read_sniffed(io.BytesIO(data), name, Path(name).suffix)
+    if kind == "txt" and declared in ("html", "md"):
+        kind = declared
+    return _document(data, name, kind)
 
 
 def _read_capped(stream: BinaryIO, limit: int, name: str, kind: str) -> bytes:
@@ -216,12 +239,20 @@ def _check_text_size(n_chars: int, name: str) -> None:
             "(32k tokens take about 130,000); give kvlocal the part you want to ask about")
 
 
-def _kind_for(path: Path, name: str) -> str:
-    kind = KIND_BY_SUFFIX.get(path.suffix.lower())
-    if kind is None:
-        supported = ", ".join(KIND_BY_SUFFIX)
-        raise UsageError(f"unsupported document type '{path.suffix}' ({name}); supported: {supported}")
-    return kind
+def _binary_text(data: bytes) -> bool:
+    """Bytes sniffed as text that are binary after all (a byte-order mark says text)."""
+    return not data.startswith(tuple(bom for bom, _ in _BOMS)) and _looks_binary(data)
+
+
+def _binary_error(name: str, suffix: str | None) -> KvlocalError:
+    """The error for binary content that is no PDF or EPUB: an unsupported type where the name has an
+    extension kvlocal does not know, else binary data."""
+    if suffix is None:
+        return DocumentError(f"{name} looks like binary data, not text")
+    supported = ", ".join(KIND_BY_SUFFIX)
+    what = f"'{suffix}' " if suffix else ""
+    return UsageError(f"unsupported document type {what}({name}): its bytes are not text, and not a PDF, "
+                      f"EPUB or HTML; supported: {supported}, or any text file")
 
 
 def _looks_binary(data: bytes) -> bool:

@@ -91,7 +91,7 @@ def test_cache_list_and_clear(cache_dir, doc, tiny_model):
     "name, content, code, message",
     [
         ("missing.txt", None, 1, "no such file"),
-        ("notes.xyz", b"hello", 2, "xyz"),
+        ("notes.xyz", bytes(range(256)) * 4, 2, "xyz"),  # binary: a text file of any extension is read
         ("empty.txt", b"", 1, "empty"),
         ("broken.pdf", b"%PDF-1.7\n1 0 obj\n<< /Type /Catalog", 1, "not a readable PDF"),
     ],

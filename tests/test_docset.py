@@ -81,7 +81,7 @@ def test_unreadable_and_unsupported_files_are_skipped_in_one_line_each(tmp_path:
     write(folder / "binary.txt", bytes(range(256)) * 8)
     write(folder / "broken.pdf", b"%PDF-1.4 truncated")
     (folder / "gone.md").symlink_to(folder / "nowhere.md")  # a dangling link
-    named = write(tmp_path / "report.docx", "a word file")
+    named = write(tmp_path / "report.docx", b"PK\x03\x04" + bytes(range(256)) * 4)  # a ZIP, no EPUB
     result = expand_documents([folder, named])
     assert sources(result) == [str(good)]
     skipped = {Path(s.source).name: s.message for s in result.skipped}

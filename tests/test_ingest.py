@@ -13,7 +13,7 @@ import pypdfium2 as pdfium
 import pytest
 
 from kvlocal.errors import DocumentError, UsageError
-from kvlocal.ingest import Document, load_document
+from kvlocal.ingest import Document, load_document, read_bytes
 from kvlocal.sample import SAMPLE_ANSWER, SAMPLE_QUESTION, sample_document, write_sample
 
 # -- fixtures: hand-written PDFs (optionally RC4-encrypted) and EPUBs --------
@@ -276,13 +276,46 @@ def test_empty_file(tmp_path: Path, name: str, content: bytes) -> None:
     assert document_error(path) == f"{path} is empty"
 
 
-def test_unknown_extension_is_a_usage_error(tmp_path: Path) -> None:
-    path = write(tmp_path, "data.xyz", "hello")
+def test_unknown_extension_with_binary_bytes_is_a_usage_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "data.xyz", random.Random(2).randbytes(4096))
     with pytest.raises(UsageError) as info:
         load_document(path)
     assert info.value.exit_code == 2
-    assert "'.xyz'" in str(info.value)
+    assert str(info.value).startswith(f"unsupported document type '.xyz' ({path}): its bytes are not text")
     assert all(ext in str(info.value) for ext in (".pdf", ".txt", ".md", ".html", ".epub"))
+
+
+def test_a_zip_that_is_no_epub_is_unsupported(tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("word/document.xml", random.Random(3).randbytes(2048))
+    with pytest.raises(UsageError, match=r"^unsupported document type '\.docx'"):
+        load_document(write(tmp_path, "report.docx", buffer.getvalue()))
+
+
+@pytest.mark.parametrize("name", ["notes.rst", "build.log", "paper.tex", "Apache-2.0", "data.xyz"])
+def test_text_with_an_unknown_extension_is_read_as_text(tmp_path: Path, name: str) -> None:
+    doc = load_document(write(tmp_path, name, "Licensed under the Apache License.\n\nSection 1."))
+    assert (doc.kind, doc.text) == ("txt", "Licensed under the Apache License.\n\nSection 1.")
+
+
+def test_an_unknown_extension_holding_a_pdf_or_html_is_read_as_one(tmp_path: Path) -> None:
+    assert load_document(write(tmp_path, "scan.dat", make_pdf([["From PDF"]]))).text == "From PDF"
+    page = load_document(write(tmp_path, "page.xhtml", b"<!DOCTYPE html><p>Hi <b>there</b></p>"))
+    assert (page.kind, page.text) == ("html", "Hi there")
+
+
+def test_uploaded_bytes_are_read_by_content_not_by_declared_type() -> None:
+    pdf = make_pdf([["Uploaded PDF"]])
+    assert read_bytes(pdf, "upload", "txt").text == "Uploaded PDF"  # declared wrong: the bytes decide
+    assert read_bytes(pdf, "x.txt").kind == "pdf"
+    assert read_bytes(b"plain words", "notes.rst").kind == "txt"  # no declared type, unknown extension
+    assert read_bytes(b"<p>a <i>fragment</i></p>", "frag", "html").text == "a fragment"  # declared and text
+    assert read_bytes(b"<p>a fragment</p>", "frag").text == "<p>a fragment</p>"  # nothing says HTML
+    with pytest.raises(UsageError, match=r"^unsupported document type \(blob\): its bytes are not text"):
+        read_bytes(random.Random(4).randbytes(4096), "blob", "pdf")
+    with pytest.raises(DocumentError, match="is empty"):
+        read_bytes(b"  ", "blank.txt")
 
 
 def test_extensionless_file_is_sniffed(tmp_path: Path) -> None:

@@ -1,0 +1,139 @@
+"""`kvlocal serve`: its options, checked before anything loads, and the uvicorn server it runs.
+
+Without an API key the server listens on a loopback address only; `--api-key` (repeatable) is
+`KEY` (every document) or `KEY=doc1,folder2` (only the documents and folders named, as given at start
+or by their last path component). Ctrl-C stops it: the answers under way are cancelled, the worker
+finishes what it writes to the cache, then the process exits.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from kvlocal.cli_options import CtxOpt, KvTypeOpt, MaxKvOpt, ModelOpt, ThreadsOpt
+from kvlocal.errors import UsageError
+from kvlocal.route_settings import MAX_ANSWER_TOKENS
+
+DEFAULT_PORT = 8080
+
+
+def serve(
+    documents: Annotated[Optional[list[str]], typer.Argument(
+        metavar="[DOCUMENT...]", help="Files and folders a request may name in its `documents` field.")] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (a non-loopback one needs --api-key).")
+                    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = DEFAULT_PORT,
+    api_key: Annotated[Optional[list[str]], typer.Option(
+        "--api-key", metavar="KEY[=NAME,...]", help="Accept this key (repeatable); KEY=doc1,folder2 binds it to "
+        "those documents and folders.")] = None,
+    model: ModelOpt = None,
+    ctx: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    kv_type: KvTypeOpt = "f16",
+    max_kv: MaxKvOpt = None,
+    queue: Annotated[int, typer.Option("--queue", min=0, max=10_000,
+                                       help="Requests that may wait for the engine; more are answered 429.")] = 8,
+    max_request: Annotated[str, typer.Option("--max-request", metavar="SIZE", help="Largest request body.")] = "64MiB",
+    max_document: Annotated[str, typer.Option("--max-document", metavar="SIZE",
+                                              help="Largest document in a request (decoded).")] = "32MiB",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=MAX_ANSWER_TOKENS,
+                                            help="Most answer tokens a request may ask for.")] = 4096,
+    max_documents: Annotated[int, typer.Option("--max-documents", min=1, max=1024,
+                                               help="Most documents in one request.")] = 16,
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/models) answering from documents.
+
+    A request's documents are `file` content parts, names of the DOCUMENTs given here (in the
+    extension field `documents`), or the text of its messages before the question; several are
+    answered as one set, as `kvlocal ask A B "q"` answers them.
+    """
+    from kvlocal.docset import default_max_kv, parse_size
+    from kvlocal.serve.schemas import Limits
+
+    keys = api_key or []
+    check_host(host, bool(keys))
+    limits = Limits(max_request_bytes=_size(max_request, "max_request"),
+                    max_document_bytes=_size(max_document, "max_document"), max_tokens=max_tokens,
+                    max_documents=max_documents)
+    limit = parse_size(max_kv) if max_kv is not None else default_max_kv()
+    state = open_state(documents or [], keys, limits, model=model, ctx=ctx, threads=threads, kv_type=kv_type,
+                       max_kv=limit, queue=queue)
+    run(state, host, port)
+
+
+def check_host(host: str, has_keys: bool) -> None:
+    """UsageError for a non-loopback address without an API key."""
+    if has_keys or is_loopback(host):
+        return
+    raise UsageError(f"refusing to listen on {host} without an API key: anyone who reaches it could read the "
+                     "documents; give --api-key KEY, or listen on 127.0.0.1", setting="host")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _size(text: str, setting: str) -> int:
+    from kvlocal.docset import parse_size
+
+    try:
+        value = parse_size(text)
+    except UsageError as err:
+        raise UsageError(str(err), setting=setting) from None
+    if value < 1:
+        raise UsageError(f"--{setting.replace('_', '-')} must be at least 1 byte", setting=setting)
+    return value
+
+
+def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=None, threads=None, kv_type="f16",
+               max_kv=None, queue=8, audit=False):
+    """The server's state: the named documents read, the keys checked, the model loaded."""
+    from kvlocal.serve.app import ServerState
+    from kvlocal.serve.documents import Catalog, KeyRing
+    from kvlocal.serve.scheduler import Scheduler
+    from kvlocal.session import Session
+
+    catalog = Catalog(sources)
+    for message in catalog.skipped:
+        print(f"kvlocal serve: {message}", file=sys.stderr, flush=True)
+    ring = KeyRing.parse(keys, catalog)
+    session = Session(model, n_ctx=ctx, threads=threads, kv_type=kv_type)
+    scheduler = Scheduler(session, queue_size=queue, max_kv=max_kv, audit=audit)
+    return ServerState(scheduler, catalog, ring, limits, session.model.path.stem)
+
+
+def make_server(state, sock: socket.socket | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT):
+    """A uvicorn server of the app over `state` (on `sock` where given): logs on stderr, no access log;
+    its exit (Ctrl-C) first cancels the answers under way."""
+    import uvicorn
+
+    from kvlocal.serve.app import build_app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            state.scheduler.cancel_running()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(build_app(state), host=host, port=port, access_log=False, log_level="info",
+                            timeout_graceful_shutdown=30)
+    return Server(config)
+
+
+def run(state, host: str, port: int) -> None:
+    server = make_server(state, host=host, port=port)
+    print(f"kvlocal serve: {state.model_id} on http://{host}:{port}/v1 "
+          f"({len(state.catalog.names)} named documents and folders)", file=sys.stderr, flush=True)
+    server.run()
+    if not server.started:
+        raise UsageError(f"could not listen on {host}:{port} (in use, or not an address of this machine)",
+                         setting="port")

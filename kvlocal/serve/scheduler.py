@@ -1,0 +1,281 @@
+"""Admission and the worker that owns the session.
+
+Requests become Jobs. `Scheduler.submit` admits a job while fewer than `queue_size` jobs wait (else
+ApiError 429) and hands it to the Worker, which owns the one Session and answers the jobs one at a
+time, in arrival order: it readies the job's documents as `kvlocal ask A B "q"` does (a set through
+kvlocal.library.load_set, cached per document; the set left loaded for the next job that asks the
+same documents), decodes the answer with the CLI's default route, and sends the pieces back to the
+request's event loop. A job's `cancel` (its client went away, or the server stops) ends its prefill
+or decoding after the current batch or token, and the worker takes the next job.
+
+The seam for batched decoding: everything above the Worker (admission, queueing, cancellation, the
+event stream a request reads) is per job and knows nothing of how answers are decoded; a worker that
+decodes several jobs' sequences in one batch would take several jobs from the same queue and emit
+each job's events the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlocal.cli_options import RouteOptions
+from kvlocal.docset import text_digest
+from kvlocal.errors import CancelledError, KvlocalError
+from kvlocal.ingest import Document
+from kvlocal.layout import SetReads
+from kvlocal.library import check_set_fits, load_set
+from kvlocal.route_settings import DEFAULT_MODE
+from kvlocal.routing import ReadStats
+from kvlocal.serve.schemas import ApiError, api_error, usage
+from kvlocal.session import Session
+from kvlocal.units import human_bytes
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Job:
+    """One request's question, its documents, and the events its answer sends back (from the worker
+    thread to the request's event loop): ("delta", text), ("done", JobResult), ("error", ApiError),
+    ("cancelled", None)."""
+
+    documents: list[Document]
+    question: str
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    id: str = field(default_factory=lambda: f"chatcmpl-kvlocal-{next(_ids)}")
+
+    def emit(self, kind: str, value: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the request's loop is gone (the server stopped): nobody reads this
+            pass
+
+
+@dataclass(frozen=True)
+class JobResult:
+    text: str
+    finish: str  # "stop" or "length"
+    usage: dict
+    reads: dict  # the kv_reads extension field
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What a finished job did (the last few are kept: the log's facts, for tests and debugging)."""
+
+    id: str
+    documents: tuple[str, ...]
+    outcome: str  # "done", "cancelled" or "error"
+    answer_tokens: int = 0
+    # with `audit`: (document, text) of the cells of each region the engine reports the answer read
+    read_texts: tuple[tuple[str, str], ...] = ()
+
+
+class Scheduler:
+    """The bounded queue in front of one Worker (see the module's docstring)."""
+
+    def __init__(self, session: Session, *, queue_size: int = 8, max_kv: int | None = None,
+                 log: Callable[[str], None] | None = None, audit: bool = False) -> None:
+        self.queue_size = queue_size
+        self.waiting = 0
+        self.running: Job | None = None
+        self.records: deque[JobRecord] = deque(maxlen=256)
+        self.log = log or (lambda text: print(f"kvlocal serve: {text}", file=sys.stderr, flush=True))
+        self.worker = Worker(session, max_kv=max_kv, log=self.log, audit=audit)
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._changed = threading.Condition()
+        self._open = threading.Event()  # cleared by hold(): the worker starts no job
+        self._open.set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvlocal-serve-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`; ApiError 429 when `queue_size` jobs already wait, 503 once stopping."""
+        with self._changed:
+            if self._stopping:
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            if self.waiting >= self.queue_size:
+                raise ApiError(429, f"the server is busy: {self.waiting} requests are waiting; try again shortly",
+                               code="rate_limit_exceeded", kind="rate_limit_error")
+            self.waiting += 1
+            self._changed.notify_all()
+        self._jobs.put(job)
+
+    def hold(self) -> None:
+        """The worker starts no further job until release() (the one running finishes)."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def wait_for(self, predicate: Callable[[Scheduler], bool], timeout: float) -> bool:
+        """Block until `predicate(self)` holds (checked at each change of state), or `timeout` passes."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self), timeout)
+
+    def stop(self) -> None:
+        """Cancel the running and waiting jobs, let the worker finish what it is writing, and join it."""
+        self.cancel_running()
+        self._open.set()
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def cancel_running(self) -> None:
+        """Admit no further job and cancel the running one (the first step of stopping)."""
+        with self._changed:
+            self._stopping = True
+            if self.running is not None:
+                self.running.cancel.set()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._open.wait()
+            with self._changed:
+                self.waiting -= 1
+                stopping = self._stopping
+                self.running = None if stopping or job.cancel.is_set() else job
+                self._changed.notify_all()
+            if self.running is None:
+                record = JobRecord(job.id, tuple(d.source for d in job.documents), "cancelled")
+                job.emit("error", ApiError(503, "the server is shutting down", code="shutting_down")) if stopping \
+                    else job.emit("cancelled")
+            else:
+                record = self.worker.run(job)
+            with self._changed:
+                self.running = None
+                self.records.append(record)
+                self._changed.notify_all()
+
+
+class Worker:
+    """Owns the session: readies each job's documents and decodes its answer (one job at a time)."""
+
+    def __init__(self, session: Session, *, max_kv: int | None, log: Callable[[str], None], audit: bool) -> None:
+        self.session = session
+        self.max_kv = max_kv
+        self.log = log
+        self.audit = audit
+        self._loaded: tuple | None = None  # the documents the session holds (by text and name)
+
+    def run(self, job: Job) -> JobRecord:
+        labels = tuple(d.source for d in job.documents)
+        try:
+            self._ready(job)
+            record = self._answer(job)
+        except CancelledError:
+            record = JobRecord(job.id, labels, "cancelled")
+        except KvlocalError as err:
+            self.log(f"{job.id}: {err}")
+            job.emit("error", api_error(err))
+            return JobRecord(job.id, labels, "error")
+        except Exception as err:  # noqa: BLE001 - a request must not take the worker down
+            self._loaded = None
+            self.log(f"{job.id}: internal error: {type(err).__name__}: {err}")
+            job.emit("error", ApiError(500, f"internal error: {type(err).__name__}", code="internal_error"))
+            return JobRecord(job.id, labels, "error")
+        if record.outcome == "cancelled":
+            self.log(f"{job.id}: cancelled after {record.answer_tokens} answer tokens")
+            job.emit("cancelled")
+        return record
+
+    def _ready(self, job: Job) -> None:
+        """Load the job's documents, unless the session holds exactly them already."""
+        key = tuple((text_digest(d.text), d.source) for d in job.documents)
+        if key == self._loaded:
+            return
+        self._loaded = None
+        session = self.session
+        if len(job.documents) > 1:
+            check_set_fits(session, job.documents, self.max_kv)
+        load = load_set(session, job.documents, cancel=job.cancel, log=lambda text: self.log(f"{job.id}: {text}"))
+        hits = load.cache_hits
+        self.log(f"{job.id}: {len(job.documents)} document(s), {load.n_tokens:,} tokens ready in {load.seconds:.1f} s "
+                 f"({hits} from the cache)")
+        self._loaded = key
+
+    def _answer(self, job: Job) -> JobRecord:
+        session = self.session
+        tally = DocumentReads(session.read_tally())
+        route = RouteOptions().config(DEFAULT_MODE, job.seed)  # kvlocal ask's default route
+        answer = session.ask(job.question, route=route, max_tokens=job.max_tokens, temperature=job.temperature,
+                             seed=job.seed, want_regions=True, cancel=job.cancel)
+        try:
+            for piece in answer:
+                tally.add(piece.stats)
+                if piece.text:
+                    job.emit("delta", piece.text)
+        finally:
+            answer.close()
+        summary = answer.summary()
+        labels = tuple(d.source for d in job.documents)
+        read_texts = self._read_texts(summary.region_reads, tally) if self.audit else ()
+        if job.cancel.is_set():
+            return JobRecord(job.id, labels, "cancelled", summary.n_answer_tokens, read_texts)
+        reads = tally.report(summary)
+        finish = "length" if summary.n_answer_tokens >= job.max_tokens or summary.context_full else "stop"
+        self.log(f"{job.id}: {summary.n_answer_tokens} answer tokens; read {human_bytes(summary.bytes_read)} of "
+                 f"{human_bytes(summary.bytes_dense)} dense ({summary.reduction:.1f}x fewer); "
+                 f"{tally.reads.describe(rest=False)}")
+        usage_counts = usage(session.prefix_cells + summary.n_question_tokens, summary.n_answer_tokens)
+        job.emit("done", JobResult(summary.text, finish, usage_counts, reads))
+        return JobRecord(job.id, labels, "done", summary.n_answer_tokens, read_texts)
+
+    def _read_texts(self, region_reads: dict[tuple[int, int], int], tally: DocumentReads) -> tuple[tuple[str, str], ...]:
+        """The text of the document cells in each region the engine reported read (audit)."""
+        size = tally.region_size
+        texts = []
+        for region in sorted({r for _, r in region_reads}):
+            lo, hi = region * size, (region + 1) * size
+            for span in tally.reads.spans:
+                if max(lo, span.start) < min(hi, span.end):
+                    texts.append((span.label, self.session.span_text(max(lo, span.start), min(hi, span.end))))
+        return tuple(texts)
+
+
+class DocumentReads:
+    """An answer's reads by document (kvlocal.layout.SetReads) with the dense figure of each."""
+
+    def __init__(self, reads: SetReads) -> None:
+        self.reads = reads
+        self.layer_heads = 0  # rows a cell holds, summed over the steps: a dense read of one cell
+        self.region_size = 0
+        self.rows_read = 0  # the engine's count over the answer's steps
+
+    def add(self, stats: ReadStats | None) -> None:
+        self.reads.add(stats)
+        if stats is not None:
+            self.layer_heads += stats.n_layer * stats.n_head_kv
+            self.rows_read += stats.rows_read
+            self.region_size = stats.region_size or self.region_size
+
+    def report(self, summary) -> dict:
+        """The kv_reads extension field: the answer's bytes read against dense (the question's read
+        included), and over the answer's steps the rows the engine reported read (`answer_rows_read`) by
+        where they lie: each document (in bytes too, at the dense read's bytes per row), the template
+        head, and the question and answer."""
+        per_row = summary.bytes_dense / summary.rows_dense if summary.rows_dense else 0.0
+        documents = [{"document": span.label, "rows_read": rows, "bytes_read": round(rows * per_row),
+                      "bytes_dense": round((span.end - span.start) * self.layer_heads * per_row)}
+                     for span, rows in zip(self.reads.spans, self.reads.documents)]
+        return {"bytes_read": summary.bytes_read, "bytes_dense": summary.bytes_dense,
+                "reduction": round(summary.reduction, 2), "steps": summary.steps, "rows_read": summary.rows_read,
+                "route": summary.route.mode, "answer_rows_read": self.rows_read, "documents": documents,
+                "template_rows": self.reads.head,
+                "question_answer_rows": self.reads.rest}
