@@ -127,7 +127,7 @@ def check_region_block(region: int, centroid_block: int) -> None:
                          setting="region")
 
 
-def _check_settings(route: RouteConfig | Route) -> None:
+def _check_settings(route: RouteConfig) -> None:
     """UsageError, naming the setting, unless every setting of `route` that is given (not None) is one
     the engine can follow. The engine takes these as 32-bit ints: a bigger value would wrap in ctypes, not fail."""
     if route.mode not in MODE_NAMES:
@@ -201,31 +201,20 @@ MODEL_ROUTE = RouteConfig(top_k=None, layer_top_k=None)
 
 
 @dataclass(frozen=True)
-class Route:
-    """The route an answer takes, resolved (resolve_route): what the engine is told
+class Route(RouteConfig):
+    """The route an answer takes, resolved (resolve_route): every setting given, what the engine is told
     (EngineContext.apply_route, .set_hints) and the answer's summary describes. `shortlist` is
     SHORTLIST_AUTO and `hint_cells` empty while the document or the question is not known yet (a route
     shown before the question); the engine then takes the automatic shortlist for the cells it holds."""
 
-    mode: str = DEFAULT_MODE
-    region: int = DEFAULT_REGION
-    top_k: int = DEFAULT_TOP_K
-    window: int = DEFAULT_WINDOW
-    sinks: int = DEFAULT_SINKS
-    seed: int = 0
-    shortlist: int = DEFAULT_SHORTLIST
-    keep: float = DEFAULT_KEEP
-    question: str = DEFAULT_QUESTION
-    question_top_k: int = DEFAULT_QUESTION_TOP_K
-    pin: int = DEFAULT_PIN
-    hints: int = DEFAULT_HINTS
-    layer_top_k: str = DEFAULT_LAYER_TOP_K
-    attention: str = DEFAULT_ATTENTION
     shortlist_floor: int = 0  # an automatic shortlist is at least this many regions (the model's route)
     hint_cells: tuple[int, ...] = ()  # the cells the question's rare words hint (kvlocal/hints.py)
 
     def __post_init__(self) -> None:
-        _check_settings(self)
+        super().__post_init__()
+        for name in ("top_k", "question", "hints", "layer_top_k"):
+            if getattr(self, name) is None:
+                raise ValueError(f"a resolved route has every setting; {name} is None (resolve_route gives it)")
         if not 0 <= self.shortlist_floor <= MAX_SHORTLIST:
             raise UsageError(f"the shortlist's floor must be between 0 and {MAX_SHORTLIST:,} (got {self.shortlist_floor})",
                              setting="shortlist")
