@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal.routing import CHOSEN_FALLBACKS, ReadStats, RouteConfig
+from kvlocal.routing import CHOSEN_FALLBACKS, ReadStats, Route
 
 
 @dataclass
@@ -64,7 +64,7 @@ class AnswerSummary(ReadTotals):
     n_question_tokens: int
     n_answer_tokens: int
     decode_seconds: float
-    route: RouteConfig
+    route: Route  # the route the answer took, resolved (kvlocal.routing.resolve_route)
     context_full: bool = False  # the answer stopped because the context had no room left
     question_bytes_read: int = 0  # of bytes_read, what the question's tokens read
     question_bytes_dense: int = 0  # of bytes_dense, what they would have read densely

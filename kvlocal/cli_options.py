@@ -28,7 +28,6 @@ from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK,
     DEFAULT_CENTROID_TYPE,
     DEFAULT_HINTS,
-    DEFAULT_LAYER_TOP_K,
     DEFAULT_KEEP,
     DEFAULT_PIN,
     DEFAULT_PREFILL_FROM,
@@ -301,27 +300,19 @@ class RouteOptions:
     attention: AttentionOpt = DEFAULT_ATTENTION
 
     def config(self, mode: str, seed: int = 0):
-        """The core's RouteConfig of `mode` with these settings; UsageError (exit 2) unless the engine
-        can follow them with these centroids."""
+        """The core's RouteConfig of `mode` with these settings, an option not given left None (the
+        model's route and the documents decide it: kvlocal.routing.resolve_route); UsageError (exit 2)
+        unless the engine can follow them with these centroids."""
         from kvlocal.routing import RouteConfig, check_centroid_type, check_region_block
 
-        given = (self.top_k, self.hints, self.question_pass)
-        route = RouteConfig(mode=mode, region=self.region, top_k=_or(self.top_k, DEFAULT_TOP_K), window=self.window,
-                            sinks=self.sinks, seed=seed, shortlist=self.shortlist, keep=self.keep,
-                            question=_or(self.question_pass, DEFAULT_QUESTION), question_top_k=self.question_top_k,
-                            pin=self.pin, hints=_or(self.hints, DEFAULT_HINTS),
-                            layer_top_k=_or(self.layer_top_k, DEFAULT_LAYER_TOP_K), attention=self.attention.lower(),
-                            follows_set=all(value is None for value in given),
-                            follows_model=self.top_k is None and self.layer_top_k is None)
+        route = RouteConfig(mode=mode, region=self.region, top_k=self.top_k, window=self.window, sinks=self.sinks,
+                            seed=seed, shortlist=self.shortlist, keep=self.keep, question=self.question_pass,
+                            question_top_k=self.question_top_k, pin=self.pin, hints=self.hints,
+                            layer_top_k=self.layer_top_k, attention=self.attention.lower())
         check_region_block(self.region, self.centroid_block)
         if self.centroid_type is not None:
             check_centroid_type(self.centroid_type)
         return route
-
-
-def _or(value, default):
-    """An option's value, or its default where it was not given (None)."""
-    return default if value is None else value
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import numpy as np
 from kvlocal.errors import EngineError, UsageError
 from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
 from kvlocal.patchset import repo_patchset_id
-from kvlocal.routing import ATTENTION_CODES, ReadStats, RouteConfig, RouteMode
+from kvlocal.routing import ATTENTION_CODES, ReadStats, Route, RouteMode
 
 ENGINE_VERSION = "0.3.36"
 BUILD_HINT = "build it with: python vendor/build_engine.py"
@@ -304,10 +304,11 @@ def greedy_loop_seconds(ctx: ctypes.c_void_p, first_token: int, n_tokens: int) -
 # These take a raw `llama_context *`: EngineContext calls them on its own, and the tests' probes
 # (tests/engine_probe.py) on contexts they made with the C API.
 
-def apply_route(ctx: ctypes.c_void_p, route: RouteConfig, *, batch_top_k: int = 0) -> None:
-    """Set the context's routing to `route`. A batch of several tokens routes to `batch_top_k` regions,
-    or reads densely with 0 (the default, so a document's prefill stays dense). An automatic shortlist
-    follows what the context holds now (the session resolves it once per answer)."""
+def apply_route(ctx: ctypes.c_void_p, route: Route, *, batch_top_k: int = 0) -> None:
+    """Set the context's routing to `route` (kvlocal.routing.resolve_route). A batch of several tokens
+    routes to `batch_top_k` regions, or reads densely with 0 (the default, so a document's prefill stays
+    dense). An automatic shortlist (a route resolved without a document, as the prefill's and the
+    tests' probes are) is taken for what the context holds now."""
     module = llama_cpp()
     n_cells = module.llama_memory_seq_pos_max(module.llama_get_memory(ctx), 0) + 1
     api = route_api()
@@ -318,7 +319,7 @@ def apply_route(ctx: ctypes.c_void_p, route: RouteConfig, *, batch_top_k: int = 
     params.n_window = route.window
     params.n_sink = route.sinks
     params.seed = route.seed & 0xFFFFFFFF
-    params.n_shortlist = route.for_document(max(0, n_cells)).shortlist
+    params.n_shortlist = route.shortlist_at(max(0, n_cells))
     params.keep = route.keep
     params.top_k_batch = batch_top_k
     params.n_pin = route.pins
@@ -570,7 +571,7 @@ class EngineContext:
 
     # -- routing --------------------------------------------------------------------------
 
-    def apply_route(self, route: RouteConfig, *, batch_top_k: int = 0) -> None:
+    def apply_route(self, route: Route, *, batch_top_k: int = 0) -> None:
         """Set the routing of the next decodes (see the module's `apply_route`)."""
         apply_route(self._llm.ctx, route, batch_top_k=batch_top_k)
 

@@ -9,8 +9,8 @@ question's rare words by the question words within a sentence's reach of it (eac
 few regions hold it) and names, for the best `n` places, the cell of that rare word and the cell its
 sentence ends at (`FOLLOW` tokens to a region's length on: a fact's value follows its key, and may
 cross into the next region). The engine reads the regions of those cells with every head in place
-of as many top-k choices (llama_kv_route_set_hints, patch 0012); the session raises top-k to the
-number of hinted regions where it is smaller (RouteConfig.reading_hints), so a value cut by a region
+of as many top-k choices (llama_kv_route_set_hints, patch 0012); the route raises top-k to the
+number of hinted regions where it is smaller (kvlocal.routing.resolve_route), so a value cut by a region
 boundary is read whole, and counts what that costs like any other read.
 
 This is a lexical index beside the geometric one, not a replacement: a question that shares no rare

@@ -164,6 +164,30 @@ def discard(key: StateKey, root: Path | None = None) -> None:
     _remove(state_path(key, root))
 
 
+def discard_noting(key: StateKey, reason: str) -> str:
+    """Discard the entry under `key`; `reason`, with why the entry stays where it cannot be removed (a
+    cache that cannot be written, read-only, must not cost the answer: the state is rebuilt in memory)."""
+    try:
+        discard(key)
+    except OSError as err:
+        return f"{reason} (the stale entry could not be removed: {err.strerror or err})"
+    return reason
+
+
+def save_noting(key: StateKey, tokens: np.ndarray, state: bytes, label: str) -> tuple[Path | None, str | None]:
+    """save_state: where it was saved, or None and a note of why it could not be (a full disk or an
+    unusable cache dir: the prefilled context still works)."""
+    try:
+        return save_state(key, tokens, state, label=label), None
+    except OSError as err:
+        return None, f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
+
+
+def joined(*notes: str | None) -> str | None:
+    """The notes given, joined with '; ' (None without any)."""
+    return "; ".join(note for note in notes if note) or None
+
+
 def _remove(path: Path) -> None:
     """Remove an entry, whatever sits at its name (a stray folder too)."""
     if path.is_dir() and not path.is_symlink():

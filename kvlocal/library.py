@@ -221,16 +221,11 @@ def _body_states(session: Session, documents: Sequence[Document], planned: SetCe
             log(f"document {i + 1}/{len(documents)} {doc.source}: prefilling {n_body[i]:,} tokens")
         state = session.prefill_state(planned.head + bodies[i], drop=len(planned.head), progress=progress,
                                       cancel=cancel)
-        saved, note = False, None
-        if use_cache:
-            try:
-                kvstate.save_state(keys[i], np.array(bodies[i], np.int32), state, label=doc.source)
-                saved = True
-            except OSError as err:
-                note = f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
+        saved_to, note = (kvstate.save_noting(keys[i], np.array(bodies[i], np.int32), state, doc.source) if use_cache
+                          else (None, None))
         states[i] = state
-        reason = f"{reason}; {note}" if reason and note else (reason or note)
-        loads.append(BodyLoad(doc.source, n_body[i], False, time.perf_counter() - t0, saved, reason))
+        loads.append(BodyLoad(doc.source, n_body[i], False, time.perf_counter() - t0, saved_to is not None,
+                              kvstate.joined(reason, note)))
     return states, loads
 
 
@@ -305,21 +300,13 @@ def _saved_body(key: kvstate.StateKey, body: list[int]) -> tuple[bytes | None, s
     try:
         saved = kvstate.load_state(key)
     except (kvstate.StateCacheError, OSError) as err:
-        return None, _discard(key, f"saved state discarded: {err}")
+        return None, kvstate.discard_noting(key, f"saved state discarded: {err}")
     if saved is None:
         return None, None
     tokens, state = saved
     if list(tokens) != body:
-        return None, _discard(key, "saved state did not match the document tokens; rebuilt")
+        return None, kvstate.discard_noting(key, "saved state did not match the document tokens; rebuilt")
     return state, None
-
-
-def _discard(key: kvstate.StateKey, reason: str) -> str:
-    try:
-        kvstate.discard(key)
-    except OSError as err:
-        return f"{reason} (the stale entry could not be removed: {err.strerror or err})"
-    return reason
 
 
 @dataclass

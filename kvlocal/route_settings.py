@@ -1,7 +1,7 @@
 """Routing settings and their defaults: the one place to change them.
 
 No numpy, ctypes or engine import here, so the CLI can read the defaults for its --help without
-loading anything. `routing.RouteConfig` validates and applies them; the CLI, session, evals, bench
+loading anything. `routing.RouteConfig` validates them and `routing.resolve_route` resolves them; the CLI, session, evals, bench
 and TUI all read these names.
 """
 
@@ -161,7 +161,7 @@ DEFAULT_HINTS = 0
 # question's rarest word answers them (docs/experiments/library-hints.md; BENCHMARKS.md §6, "Several
 # documents"). So a set's geometric answers take LIBRARY_TOP_K, LIBRARY_HINTS and LIBRARY_QUESTION
 # unless --top-k, --hints or --question-pass is given, and a question whose words hint nowhere in the
-# set's text takes the single-document defaults instead (RouteConfig.for_set). One document keeps the
+# set's text takes the single-document defaults instead (routing.resolve_route). One document keeps the
 # defaults above: there the hinted route answered fewer look-alike facts than the default route
 # (docs/experiments/hints-on-one-document.md).
 LIBRARY_TOP_K = 1

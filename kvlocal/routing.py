@@ -4,7 +4,8 @@ and counts the statistics (kvlocal.engine.EngineContext.apply_route, .read_stats
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
 
 import numpy as np
@@ -126,79 +127,97 @@ def check_region_block(region: int, centroid_block: int) -> None:
                          setting="region")
 
 
+def _check_settings(route: RouteConfig) -> None:
+    """UsageError, naming the setting, unless every setting of `route` that is given (not None) is one
+    the engine can follow. The engine takes these as 32-bit ints: a bigger value would wrap in ctypes, not fail."""
+    if route.mode not in MODE_NAMES:
+        raise UsageError(f"unknown route mode {route.mode!r}; choose one of {', '.join(MODE_NAMES)}", setting="route")
+    if route.region <= 0 or route.region & (route.region - 1) or MAX_REGION % route.region:
+        raise UsageError(f"the region size must be a power of two that divides {MAX_REGION} (got {route.region})",
+                         setting="region")
+    if route.attention not in ATTENTION_PATHS:
+        raise UsageError(f"the attention path must be one of {', '.join(ATTENTION_PATHS)} (got {route.attention!r})",
+                         setting="attention")
+    if route.question is not None and route.question not in QUESTION_PASSES:
+        raise UsageError(f"the question pass must be one of {', '.join(QUESTION_PASSES)} (got {route.question!r})",
+                         setting="question_pass")
+    for setting, words, value, top in (
+        ("top_k", "the regions routed per step (top-k)", route.top_k, MAX_TOP_K),
+        ("question_top_k", "the regions a routed question reads", route.question_top_k, MAX_TOP_K),
+        ("window", "the window", route.window, MAX_WINDOW),
+        ("sinks", "the sink tokens", route.sinks, MAX_SINKS),
+        ("pin", "the pinned regions", route.pin, MAX_TOP_K),
+        ("hints", "the hinted regions", route.hints, MAX_TOP_K),
+    ):
+        if value is not None and not 0 <= value <= top:
+            raise UsageError(f"{words} must be between 0 and {top:,} (got {value})", setting=setting)
+    if not 0 <= route.seed <= MAX_SEED:
+        raise UsageError(f"the random route's seed must be between 0 and {MAX_SEED} (got {route.seed})", setting="seed")
+    if not (route.shortlist == SHORTLIST_AUTO or 0 <= route.shortlist <= MAX_SHORTLIST):
+        raise UsageError(f"the shortlist must be between 0 and {MAX_SHORTLIST:,}, or auto (got {route.shortlist})",
+                         setting="shortlist")
+    if not (math.isfinite(route.keep) and 0 <= route.keep < 1):
+        raise UsageError(f"the selection memory's keep must be at least 0 and below 1 (got {route.keep})",
+                         setting="keep")
+    if route.layer_top_k:
+        try:
+            parse_layer_top_k(route.layer_top_k)
+        except ValueError as exc:
+            raise UsageError(f"--layer-top-k: {exc}", setting="layer_top_k") from None
+        if route.top_k is not None and route.top_k < 1:
+            raise UsageError("budgets per layer need a top-k of at least 1 for the other layers", setting="layer_top_k")
+
+
 @dataclass(frozen=True)
 class RouteConfig:
-    """How decode steps read the KV cache. Window and sinks are in tokens, rounded up to regions."""
+    """The route as it was asked for (the command line's options, the TUI's keys, an eval's grid): how
+    decode steps read the KV cache. Window and sinks are in tokens, rounded up to regions. A setting
+    left None was not given: the model's calibrated route and the documents decide it (resolve_route;
+    DEFAULT_ROUTE gives none of them)."""
 
     mode: str = DEFAULT_MODE
     region: int = DEFAULT_REGION
-    top_k: int = DEFAULT_TOP_K
+    top_k: int | None = DEFAULT_TOP_K  # None: the model's, or a set's LIBRARY_TOP_K
     window: int = DEFAULT_WINDOW
     sinks: int = DEFAULT_SINKS
     seed: int = 0
     shortlist: int = DEFAULT_SHORTLIST  # regions the coarse pass shortlists (0: one level; SHORTLIST_AUTO: by document)
     keep: float = DEFAULT_KEEP  # selection memory: decay per step of a region's remembered share (0: none)
-    question: str = DEFAULT_QUESTION  # how the question's tokens read the document: routed, dense or steps
+    question: str | None = DEFAULT_QUESTION  # how the question's tokens read the document: routed, dense or steps
     question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions the question's routed batch reads
     pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (0: none)
-    hints: int = DEFAULT_HINTS  # regions the question's rarest words hint (kvlocal/hints.py; 0: none)
-    layer_top_k: str = DEFAULT_LAYER_TOP_K  # e.g. "16-23=8": those layers' regions per step, the others top_k
+    hints: int | None = DEFAULT_HINTS  # regions the question's rarest words hint (kvlocal/hints.py; 0: none)
+    layer_top_k: str | None = DEFAULT_LAYER_TOP_K  # e.g. "16-23=8": those layers' regions per step, the others top_k
     attention: str = DEFAULT_ATTENTION  # how a step reads its regions: auto, gather or in-place (ATTENTION_PATHS)
-    # top_k, hints and question were left at their defaults: a set of several documents answers with the
-    # library route instead (for_set)
-    follows_set: bool = False
-    # top_k and layer_top_k were left at their defaults: the model's calibrated route sets them, and the
-    # automatic shortlist's floor (for_model)
-    follows_model: bool = False
-    shortlist_floor: int = 0  # an automatic shortlist is at least this many regions
-    # the route a question takes when its words hint nowhere in the text (for_set's library route: the
-    # route it came from)
-    unhinted: RouteConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODE_NAMES:
-            raise UsageError(f"unknown route mode {self.mode!r}; choose one of {', '.join(MODE_NAMES)}", setting="route")
-        if self.region <= 0 or self.region & (self.region - 1) or MAX_REGION % self.region:
-            raise UsageError(f"the region size must be a power of two that divides {MAX_REGION} (got {self.region})",
-                             setting="region")
-        # the engine takes these as 32-bit ints: a bigger value would wrap in ctypes, not fail
-        if self.attention not in ATTENTION_PATHS:
-            raise UsageError(f"the attention path must be one of {', '.join(ATTENTION_PATHS)} (got {self.attention!r})",
-                             setting="attention")
-        if self.question not in QUESTION_PASSES:
-            raise UsageError(f"the question pass must be one of {', '.join(QUESTION_PASSES)} (got {self.question!r})",
-                             setting="question_pass")
-        for setting, words, value, top in (
-            ("top_k", "the regions routed per step (top-k)", self.top_k, MAX_TOP_K),
-            ("question_top_k", "the regions a routed question reads", self.question_top_k, MAX_TOP_K),
-            ("window", "the window", self.window, MAX_WINDOW),
-            ("sinks", "the sink tokens", self.sinks, MAX_SINKS),
-        ):
-            if not 0 <= value <= top:
-                raise UsageError(f"{words} must be between 0 and {top:,} (got {value})", setting=setting)
-        if not (self.shortlist == SHORTLIST_AUTO or 0 <= self.shortlist <= MAX_SHORTLIST):
-            raise UsageError(f"the shortlist must be between 0 and {MAX_SHORTLIST:,}, or auto (got {self.shortlist})",
-                             setting="shortlist")
-        if not (math.isfinite(self.keep) and 0 <= self.keep < 1):
-            raise UsageError(f"the selection memory's keep must be at least 0 and below 1 (got {self.keep})",
-                             setting="keep")
-        if not 0 <= self.pin <= MAX_TOP_K:
-            raise UsageError(f"the pinned regions must be between 0 and {MAX_TOP_K:,} (got {self.pin})", setting="pin")
-        if not 0 <= self.hints <= MAX_TOP_K:
-            raise UsageError(f"the hinted regions must be between 0 and {MAX_TOP_K:,} (got {self.hints})",
-                             setting="hints")
-        if self.layer_top_k:
-            try:
-                parse_layer_top_k(self.layer_top_k)
-            except ValueError as exc:
-                raise UsageError(f"--layer-top-k: {exc}", setting="layer_top_k") from None
-            if self.top_k < 1:
-                raise UsageError("budgets per layer need a top-k of at least 1 for the other layers", setting="layer_top_k")
+        _check_settings(self)
+
+
+# no setting given: a set takes its own route, the model its calibrated budget (the command line's defaults)
+DEFAULT_ROUTE = RouteConfig(top_k=None, question=None, hints=None, layer_top_k=None)
+# the budget not given: the model's calibrated one (what Session.ask takes without a route)
+MODEL_ROUTE = RouteConfig(top_k=None, layer_top_k=None)
+
+
+@dataclass(frozen=True)
+class Route(RouteConfig):
+    """The route an answer takes, resolved (resolve_route): every setting given, what the engine is told
+    (EngineContext.apply_route, .set_hints) and the answer's summary describes. `shortlist` is
+    SHORTLIST_AUTO and `hint_cells` empty while the document or the question is not known yet (a route
+    shown before the question); the engine then takes the automatic shortlist for the cells it holds."""
+
+    shortlist_floor: int = 0  # an automatic shortlist is at least this many regions (the model's route)
+    hint_cells: tuple[int, ...] = ()  # the cells the question's rare words hint (kvlocal/hints.py)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("top_k", "question", "hints", "layer_top_k"):
+            if getattr(self, name) is None:
+                raise ValueError(f"a resolved route has every setting; {name} is None (resolve_route gives it)")
         if not 0 <= self.shortlist_floor <= MAX_SHORTLIST:
             raise UsageError(f"the shortlist's floor must be between 0 and {MAX_SHORTLIST:,} (got {self.shortlist_floor})",
                              setting="shortlist")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise UsageError(f"the random route's seed must be between 0 and {MAX_SEED} (got {self.seed})", setting="seed")
 
     @property
     def pins(self) -> int:
@@ -212,45 +231,6 @@ class RouteConfig:
     def hinted(self) -> int:
         """Matches of the question's words whose regions the answer reads (geometric routing only)."""
         return self.hints if self.route_mode == RouteMode.GEOMETRIC else 0
-
-    def reading_hints(self, n_regions: int) -> RouteConfig:
-        """The route that has room for `n_regions` hinted regions: top-k raised to it where it is
-        smaller (a hint whose sentence runs on into the next region names both, and the engine reads
-        hints in place of top-k choices), the pins as they were."""
-        if n_regions <= self.top_k:
-            return self
-        return replace(self, top_k=n_regions, pin=self.pins)
-
-    def for_set(self, n_documents: int) -> RouteConfig:
-        """The route an answer over a set of `n_documents` documents takes: where this one follows the
-        set (geometric, top-k, hints and question pass at their defaults) and the set has several
-        documents, the library route of route_settings (LIBRARY_TOP_K regions, LIBRARY_HINTS hints,
-        the question decoded as LIBRARY_QUESTION), whose `unhinted` is this route for a question that
-        gets no hint; else this route."""
-        if not self.follows_set or n_documents < 2 or self.route_mode != RouteMode.GEOMETRIC:
-            return self
-        own = replace(self, follows_set=False)
-        return replace(own, top_k=LIBRARY_TOP_K, hints=LIBRARY_HINTS, question=LIBRARY_QUESTION, follows_model=False,
-                       unhinted=own)
-
-    def for_model(self, calibrated: ModelRoute) -> RouteConfig:
-        """The route on a model whose calibrated route is `calibrated`: where this one follows the model
-        (top-k and budgets per layer at their defaults), its top-k, budgets per layer and shortlist
-        floor (the latter only with an automatic shortlist), also in the route a set's answer falls back
-        to; else this route. A set's own library route keeps its top-k and reads no budget per layer."""
-        unhinted = self.unhinted.for_model(calibrated) if self.unhinted is not None else None
-        if not self.follows_model:
-            return replace(self, unhinted=unhinted) if unhinted is not self.unhinted else self
-        floor = calibrated.shortlist_floor if self.shortlist == SHORTLIST_AUTO else 0
-        return replace(self, top_k=calibrated.top_k, layer_top_k=calibrated.layer_top_k, shortlist_floor=floor,
-                       follows_model=False, unhinted=unhinted)
-
-    def for_hints(self, n_hints: int) -> RouteConfig:
-        """The route once the question's hints are known: `unhinted` where it has one and the question
-        got no hint (without `unhinted` itself), else this one."""
-        if self.unhinted is not None and n_hints == 0:
-            return self.unhinted
-        return replace(self, unhinted=None) if self.unhinted is not None else self
 
     def layer_budgets(self, n_layer: int) -> list[int]:
         """The regions each of a model's `n_layer` layers routes per single-token step: top-k, or
@@ -274,11 +254,11 @@ class RouteConfig:
         """Regions a batch of question tokens routes to (0: the batch reads densely)."""
         return self.question_top_k if self.question == "routed" else 0
 
-    def for_document(self, n_tokens: int) -> RouteConfig:
-        """These settings with an automatic shortlist resolved for a document of `n_tokens` tokens."""
+    def shortlist_at(self, n_cells: int) -> int:
+        """The shortlist over a cache of `n_cells` cells: the one set, or the automatic one for them."""
         if self.shortlist != SHORTLIST_AUTO:
-            return self
-        return replace(self, shortlist=max(self.shortlist_floor, auto_shortlist(-(-n_tokens // self.region))))
+            return self.shortlist
+        return max(self.shortlist_floor, auto_shortlist(-(-n_cells // self.region)))
 
     def describe(self) -> str:
         if self.route_mode == RouteMode.FULL:
@@ -307,6 +287,79 @@ class RouteConfig:
         if self.question == "dense" or self.route_mode == RouteMode.FULL:
             return "question read in one dense pass"
         return f"question read in one pass over top-{self.question_top_k} regions"
+
+
+# (n, region, skip_regions) -> the cells the question's rare words hint (kvlocal.hints.hint_cells)
+HintFinder = Callable[[int, int, int], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class RouteFacts:
+    """What a route depends on besides the options and the model: the documents loaded, the cells the
+    prompt prefix holds (None: no document yet) and how to find the question's hints (None: no
+    question yet)."""
+
+    n_documents: int = 1
+    n_cells: int | None = None
+    find_hints: HintFinder | None = None
+
+
+def resolve_route(asked: RouteConfig | Route, calibrated: ModelRoute, facts: RouteFacts = RouteFacts()) -> Route:
+    """The route an answer takes, once: the options `asked` (a Route: one resolved before, perhaps
+    tuned, taken as it is), with what was not given taken from the model's `calibrated` route and from
+    the documents, then the facts of the document and the question.
+
+    - A set of several documents answers with the library route (route_settings: LIBRARY_TOP_K,
+      LIBRARY_HINTS, LIBRARY_QUESTION) where geometric routing asked for none of top-k, hints and the
+      question pass; a question that gets no hint there takes the route one document would.
+    - Where top-k and the budgets per layer were not given, the model's calibrated route sets them,
+      and the floor of an automatic shortlist.
+    - An automatic shortlist follows the prefix's cells; the hinted cells are found, and top-k is raised
+      to the regions they name where it is smaller (a hint whose sentence runs on into the next region
+      names both, and the engine reads hints in place of top-k choices), the pins as they were."""
+    if isinstance(asked, Route):
+        route, unhinted = asked, None
+    else:
+        route, unhinted = _asked_route(asked, calibrated, facts.n_documents)
+    if facts.find_hints is not None:
+        skip = -(-route.sinks // route.region)
+        cells = tuple(facts.find_hints(route.hinted, route.region, skip)) if route.hinted else ()
+        route = replace(unhinted if unhinted is not None and not cells else route, hint_cells=cells)
+    if facts.n_cells is not None:
+        route = replace(route, shortlist=route.shortlist_at(facts.n_cells))
+        n_regions = _hinted_regions(route, facts.n_cells)
+        if n_regions > route.top_k:
+            route = replace(route, top_k=n_regions, pin=route.pins)
+    return route
+
+
+def _asked_route(asked: RouteConfig, calibrated: ModelRoute, n_documents: int) -> tuple[Route, Route | None]:
+    """The route of the options over `n_documents` documents on a model whose route is `calibrated`,
+    and, where it is a set's library route, the route a question without hints takes instead."""
+    settings = {f.name: getattr(asked, f.name) for f in fields(RouteConfig)}
+    layers = DEFAULT_LAYER_TOP_K if asked.layer_top_k is None else asked.layer_top_k
+    settings.update(top_k=DEFAULT_TOP_K if asked.top_k is None else asked.top_k, layer_top_k=layers,
+                    question=DEFAULT_QUESTION if asked.question is None else asked.question,
+                    hints=DEFAULT_HINTS if asked.hints is None else asked.hints)
+    own = Route(**settings)
+    if asked.top_k is None and asked.layer_top_k is None:
+        floor = calibrated.shortlist_floor if asked.shortlist == SHORTLIST_AUTO else 0
+        own = replace(own, top_k=calibrated.top_k, layer_top_k=calibrated.layer_top_k, shortlist_floor=floor)
+    follows_set = asked.top_k is None and asked.hints is None and asked.question is None
+    if not follows_set or n_documents < 2 or own.route_mode != RouteMode.GEOMETRIC:
+        return own, None
+    library = Route(**{**settings, "top_k": LIBRARY_TOP_K, "hints": LIBRARY_HINTS, "question": LIBRARY_QUESTION})
+    return library, own
+
+
+def _hinted_regions(route: Route, n_cells: int) -> int:
+    """The regions of the hinted cells the engine can read in place of a top-k choice: past the sinks,
+    and before the window (which takes the prefix's last `route.window` cells and what follows them;
+    a hint there is read anyway)."""
+    first = -(-route.sinks // route.region)
+    end = n_cells - route.window
+    regions = {c // route.region for c in route.hint_cells}
+    return len({r for r in regions if r >= first and r * route.region < end})
 
 
 @dataclass(frozen=True)
@@ -338,11 +391,11 @@ class PrefillConfig:
     def routed(self) -> bool:
         return self.mode == "routed"
 
-    def route(self) -> RouteConfig:
+    def route(self) -> Route:
         """The route a routed ubatch follows (a one-token last ubatch decodes through it as a step): the
         coarse centroids shortlist PREFILL_SHORTLIST_SHARE x top-k regions, their fine ones choose."""
         shortlist = min(MAX_SHORTLIST, PREFILL_SHORTLIST_SHARE * self.top_k)
-        return RouteConfig(mode="geometric", top_k=self.top_k, shortlist=shortlist, keep=0.0)
+        return Route(mode="geometric", top_k=self.top_k, shortlist=shortlist, keep=0.0)
 
     def routes_at(self, pos: int) -> bool:
         """Whether the ubatch whose first token sits at `pos` is routed."""

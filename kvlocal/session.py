@@ -39,7 +39,8 @@ from kvlocal.route_settings import (
     model_route,
 )
 from kvlocal.routing import (
-    PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_centroid_type, check_region_block,
+    MODEL_ROUTE, PrefillConfig, ReadStats, Route, RouteConfig, RouteFacts, check_centroid_block, check_centroid_type,
+    check_region_block, resolve_route,
 )
 
 from kvlocal.route_settings import ANSWER_RESERVE  # the KV estimate (docset) reads it there too
@@ -297,20 +298,11 @@ class Session:
         """Restore the prompt prefix `tokens` from the state saved under `key`, or prefill it (and save it)."""
         start = time.perf_counter()
         rebuilt = None
-
-        def discard(reason: str) -> str:
-            # a cache that cannot be written (read-only) must not cost the answer: rebuild in memory
-            try:
-                kvstate.discard(key)
-            except OSError as err:
-                return f"{reason} (the stale entry could not be removed: {err.strerror or err})"
-            return reason
-
         if use_cache:
             try:
                 saved = kvstate.load_state(key)
             except (kvstate.StateCacheError, OSError) as err:
-                rebuilt = discard(f"saved state discarded: {err}")
+                rebuilt = kvstate.discard_noting(key, f"saved state discarded: {err}")
                 saved = None
             if saved is not None:
                 saved_tokens, state = saved
@@ -318,7 +310,7 @@ class Session:
                     self._mark_tokens(tokens)
                     self._keep_prefix_state(state)
                     return LoadResult(len(tokens), n_ctx, True, time.perf_counter() - start, prefill=prefill)
-                rebuilt = discard("saved state did not match the document tokens or engine; rebuilt")
+                rebuilt = kvstate.discard_noting(key, "saved state did not match the document tokens or engine; rebuilt")
         reads = self._prefill(tokens, progress, cancel, prefill)
         state = self._compact_swa_cache()
         seconds = time.perf_counter() - start
@@ -327,11 +319,8 @@ class Session:
         self._keep_prefix_state(state)
         saved_to = None
         if use_cache:
-            try:
-                saved_to = kvstate.save_state(key, np.array(tokens, np.int32), state, label=label)
-            except OSError as err:  # a full disk or an unusable cache dir: the prefilled context still works
-                note = f"could not save the KV state ({err.strerror or err}: {err.filename or ''}); continuing without it"
-                rebuilt = f"{rebuilt}; {note}" if rebuilt else note
+            saved_to, note = kvstate.save_noting(key, np.array(tokens, np.int32), state, label)
+            rebuilt = kvstate.joined(rebuilt, note)
         return LoadResult(len(tokens), n_ctx, False, seconds, rebuilt, saved=saved_to is not None, prefill=prefill,
                           reads=reads)
 
@@ -346,7 +335,7 @@ class Session:
         self._clear_kv()
         start = time.perf_counter()
         reads = PrefillReads()
-        dense, routed = RouteConfig(mode="full"), prefill.route()
+        dense, routed = Route(mode="full"), prefill.route()
         if prefill.routed:
             check_region_block(routed.region, self.centroid_block)
         try:
@@ -517,26 +506,13 @@ class Session:
         pieces = {t: self.vocab.detokenize([t], special=True) for t in set(tokens)}
         return [pieces[t] for t in tokens]
 
-    def _set_hints(self, question: str, route: RouteConfig) -> tuple[int, ...]:
-        """Name the cells the question's rare words hint to the engine (none unless route.hints)."""
-        cells: list[int] = []
-        if route.hinted:
+    def _hint_finder(self, question: str):
+        """The question's hints in the loaded prefix (RouteFacts.find_hints): its text indexed on first use."""
+        def find(n: int, region: int, skip_regions: int) -> list[int]:
             if self._text_index is None:
                 self._text_index = TextIndex.of(self.token_pieces(self.prefix_cell_tokens()))
-            cells = hint_cells(self._text_index, question, route.hinted, route.region,
-                               skip_regions=-(-route.sinks // route.region))
-        if not self.context.set_hints(cells) and cells:
-            raise EngineError("the engine did not take the route hints")
-        return tuple(cells)
-
-    def _hinted_regions(self, cells: Sequence[int], route: RouteConfig) -> int:
-        """The regions of hinted cells the engine can read in place of a top-k choice: past the
-        sinks, and before the window (which takes the prefix's last `route.window` cells and what
-        follows them; a hint there is read anyway)."""
-        first = -(-route.sinks // route.region)
-        end = self.prefix_cells - route.window
-        regions = {c // route.region for c in cells}
-        return len({r for r in regions if r >= first and r * route.region < end})
+            return hint_cells(self._text_index, question, n, region, skip_regions=skip_regions)
+        return find
 
     def _rewind(self) -> None:
         """Drop the previous question and answer, keep the document."""
@@ -557,7 +533,7 @@ class Session:
         self.context.decode([token])
         return self.context.read_stats(with_regions=want_regions)
 
-    def _read_question(self, q_tokens: list[int], route: RouteConfig, summary: AnswerSummary,
+    def _read_question(self, q_tokens: list[int], route: Route, summary: AnswerSummary,
                        want_regions: bool) -> None:
         """Feed the question's tokens as `route.question` says, adding what they read to `summary`."""
         if route.question == "steps":
@@ -580,43 +556,49 @@ class Session:
         self,
         question: str,
         *,
-        route: RouteConfig | None = None,
+        route: RouteConfig | Route | None = None,
         max_tokens: int = 256,
         temperature: float = 0.0,
         seed: int = 0,
         want_regions: bool = False,
         cancel: threading.Event | None = None,
+        n_documents: int | None = None,
     ) -> Answer:
         """The answer, decoded as it is iterated: an AnswerPiece per token; `summary()` afterwards.
+        `route`: the options asked (None: MODEL_ROUTE), or a Route resolved before (route_for), perhaps
+        tuned; the answer takes it as resolve_route resolves it for this model, the loaded documents
+        and the question. `n_documents`: resolve it as for a set of that many (None: those loaded; the
+        library eval asks a concatenation as its set).
 
         The question's tokens read the document as `route.question` says: in one batch routed to
         `route.question_top_k` regions (read once for all of them), in one dense batch, or token by
         token through the route. Every answer token is decoded on its own through the route. Setting
         `cancel` ends the answer after the current token (its summary holds what was decoded).
         """
-        return Answer(self._decode_answer(question, route, max_tokens, temperature, seed, want_regions, cancel))
+        asked = route or MODEL_ROUTE
+        return Answer(self._decode_answer(question, asked, n_documents or self.n_documents, max_tokens, temperature,
+                                          seed, want_regions, cancel))
 
-    def route_for(self, route: RouteConfig | None = None) -> RouteConfig:
-        """The route an answer takes: `route` (None: the default route, which follows the model), as a set
-        of several documents takes it where it follows the set (RouteConfig.for_set), with this model's
-        calibrated budget where it follows the model (RouteConfig.for_model)."""
-        route = route or RouteConfig(follows_model=True)
-        return route.for_set(self.n_documents).for_model(self.calibrated_route)
+    def route_for(self, route: RouteConfig | Route | None = None) -> Route:
+        """The route the next answer takes as far as it is known before the question (resolve_route
+        without the document's cells and the question's hints): `route` (None: MODEL_ROUTE) on this
+        model over the documents loaded."""
+        return resolve_route(route or MODEL_ROUTE, self.calibrated_route, RouteFacts(self.n_documents))
 
-    def _decode_answer(self, question: str, route: RouteConfig | None, max_tokens: int, temperature: float,
-                       seed: int, want_regions: bool, cancel: threading.Event | None,
+    def _decode_answer(self, question: str, asked: RouteConfig | Route, n_documents: int, max_tokens: int,
+                       temperature: float, seed: int, want_regions: bool, cancel: threading.Event | None,
                        ) -> Generator[AnswerPiece, None, AnswerSummary]:
         if self.context is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
         check_ask_settings(question, max_tokens, temperature, seed)
-        route = self.route_for(route)
-        check_region_block(route.region, self.centroid_block)
+        check_region_block(asked.region, self.centroid_block)
         context = self.context
         with self._lock:
             self._rewind()
-            hints = self._set_hints(question, route)
-            route = route.for_hints(len(hints)).for_document(self.prefix_cells)  # an automatic shortlist, once per answer
-            route = route.reading_hints(self._hinted_regions(hints, route))
+            facts = RouteFacts(n_documents, self.prefix_cells, self._hint_finder(question))
+            route = resolve_route(asked, self.calibrated_route, facts)
+            if not context.set_hints(route.hint_cells) and route.hint_cells:
+                raise EngineError("the engine did not take the route hints")
             context.apply_route(route)
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
             room = context.n_ctx - self.prefix_cells - len(q_tokens)
@@ -626,7 +608,8 @@ class Session:
                     f"tokens of context left after the document; a larger context leaves more room", setting="ctx")
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
-            summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, hint_cells=hints, model_layers=self.n_layer)
+            summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, hint_cells=route.hint_cells,
+                                    model_layers=self.n_layer)
             self._read_question(q_tokens, route, summary, want_regions)
             summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
             rng = np.random.default_rng(seed)
@@ -673,7 +656,7 @@ class Session:
         context = self.context
         with self._lock:
             self._rewind()
-            context.apply_route(RouteConfig(mode="full"))
+            context.apply_route(Route(mode="full"))
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
             for i in range(0, len(q_tokens), self.n_batch):
                 context.decode(q_tokens[i : i + self.n_batch])

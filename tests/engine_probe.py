@@ -104,7 +104,7 @@ def context_with_document(model_path: Path, n_doc: int, seed: int = 0) -> RawCon
 
 
 def routed_steps(raw: RawContext, steps: list[int], route) -> list:
-    """Set `route` (a RouteConfig) and decode `steps` one token at a time: (logits, read stats) per step."""
+    """Set `route` (a Route) and decode `steps` one token at a time: (logits, read stats) per step."""
     from kvlocal.engine import apply_route, read_stats
 
     apply_route(raw.ctx, route)

@@ -22,7 +22,7 @@ from synth_gguf import write_tiny_olmo2_swa  # noqa: E402
 from test_routing import N_DOC, decode_steps, doc_tokens  # noqa: E402
 
 from kvlocal.engine import llama_cpp  # noqa: E402
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
 
 
 def max_diff(a, b) -> float:
@@ -41,14 +41,14 @@ def main() -> None:
         finally:
             m.LLAMA_FLASH_ATTN_TYPE_ENABLED = enabled
         raw.decode(doc_tokens(N_DOC))
-        reference = decode_steps(raw, N_DOC, steps, RouteConfig(mode="full"))
+        reference = decode_steps(raw, N_DOC, steps, Route(mode="full"))
         raw.close()
         for threads in (2, 1):
             raw = RawContext(model, n_ctx=2048)
             m.llama_set_n_threads(raw.ctx, threads, threads)
             raw.decode(doc_tokens(N_DOC))
-            dense = decode_steps(raw, N_DOC, steps, RouteConfig(mode="full"))
-            routed = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1000, region=64))
+            dense = decode_steps(raw, N_DOC, steps, Route(mode="full"))
+            routed = decode_steps(raw, N_DOC, steps, Route(mode="geometric", top_k=1000, region=64))
             raw.close()
             print(f"{threads} thread(s): max |logit diff| vs no flash attention: "
                   f"dense {max_diff(dense, reference):.2e}, routed (every region) {max_diff(routed, reference):.2e}")

@@ -10,20 +10,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from synth_gguf import write_tiny_qwen2  # noqa: E402
 from test_gpu_ops import F16, LAYOUT_OPS, record_decode_graph  # noqa: E402
 
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
 
 N_LAYER = 2
 ROUTES = {
-    "full": RouteConfig(mode="full"),
-    "geometric": RouteConfig(mode="geometric", top_k=3, region=64),  # shortlist, selection memory, pins
-    "geometric (one level, no memory)": RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0, keep=0.0, pin=0),
-    "window": RouteConfig(mode="window", top_k=3, region=64),
-    "random": RouteConfig(mode="random", top_k=3, region=64),
+    "full": Route(mode="full"),
+    "geometric": Route(mode="geometric", top_k=3, region=64),  # shortlist, selection memory, pins
+    "geometric (one level, no memory)": Route(mode="geometric", top_k=3, region=64, shortlist=0, keep=0.0, pin=0),
+    "window": Route(mode="window", top_k=3, region=64),
+    "random": Route(mode="random", top_k=3, region=64),
     # the paths a step can read its regions by (auto: in place on CUDA, gathered elsewhere)
-    "geometric, gathered": RouteConfig(mode="geometric", top_k=3, region=64, attention="gather"),
-    "geometric, in place": RouteConfig(mode="geometric", top_k=3, region=64, attention="in-place"),
-    "window, gathered": RouteConfig(mode="window", top_k=3, region=64, attention="gather"),
-    "window, in place": RouteConfig(mode="window", top_k=3, region=64, attention="in-place"),
+    "geometric, gathered": Route(mode="geometric", top_k=3, region=64, attention="gather"),
+    "geometric, in place": Route(mode="geometric", top_k=3, region=64, attention="in-place"),
+    "window, gathered": Route(mode="window", top_k=3, region=64, attention="gather"),
+    "window, in place": Route(mode="window", top_k=3, region=64, attention="in-place"),
 }
 
 

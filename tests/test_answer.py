@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, ReadTotals
-from kvlocal.routing import ReadStats, RouteConfig, RouteMode
+from kvlocal.routing import ReadStats, Route, RouteMode
 
-ROUTE = RouteConfig(mode="geometric", top_k=2, region=64)
+ROUTE = Route(mode="geometric", top_k=2, region=64)
 
 
 def stats(fallback: int = 0, bytes_kv: int = 1000) -> ReadStats:

@@ -257,11 +257,11 @@ def test_cli_route_defaults_come_from_one_place():
     """The CLI's defaults are route_settings' names, and RouteConfig's and PrefillConfig's the same ones."""
     from kvlocal import route_settings
     from kvlocal.cli_options import PrefillOptions, RouteOptions
-    from kvlocal.routing import PrefillConfig, RouteConfig
+    from kvlocal.routing import DEFAULT_ROUTE, PrefillConfig, RouteConfig
 
     options = RouteOptions()
     assert options.centroid_block is route_settings.DEFAULT_CENTROID_BLOCK
-    assert options.config(RouteConfig().mode) == RouteConfig(follows_set=True, follows_model=True)  # a set, a model: their own
+    assert options.config(RouteConfig().mode) == DEFAULT_ROUTE  # nothing given: a set, a model take their own
     assert PrefillOptions().config(PrefillConfig().mode) == PrefillConfig()
 
 

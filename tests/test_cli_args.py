@@ -111,14 +111,14 @@ def test_pins_out_of_bounds_are_refused_before_any_work(no_engine, doc, pin):
 
 
 def test_the_pin_setting_is_bounded_and_part_of_top_k():
-    from kvlocal.routing import RouteConfig
+    from kvlocal.routing import Route, RouteConfig
 
     with pytest.raises(UsageError) as info:
         RouteConfig(pin=-1)
     assert info.value.setting == "pin"
-    assert "2 pinned by the question" in RouteConfig(top_k=4, pin=2, keep=0.9, question="dense").describe()
-    assert "1 pinned by the question" in RouteConfig(top_k=1, pin=2, keep=0.9, question="dense").describe()
-    assert "pinned" not in RouteConfig(top_k=4, pin=2, keep=0.9, question="steps").describe()
+    assert "2 pinned by the question" in Route(top_k=4, pin=2, keep=0.9, question="dense").describe()
+    assert "1 pinned by the question" in Route(top_k=1, pin=2, keep=0.9, question="dense").describe()
+    assert "pinned" not in Route(top_k=4, pin=2, keep=0.9, question="steps").describe()
 
 
 def test_ask_refuses_an_unknown_centroid_block_before_any_work(no_engine, doc):
@@ -216,16 +216,20 @@ def test_route_config_refuses_what_the_cli_refuses():
 def test_an_automatic_shortlist_follows_the_document():
     """auto: an eighth of the document's regions, rounded up to a multiple of 16 (at least 16),
     resolved once per answer from the document's length."""
-    from kvlocal.routing import RouteConfig
+    from dataclasses import replace
+
+    from kvlocal.routing import Route, RouteConfig, RouteFacts, resolve_route
 
     rs = route_settings
     assert [rs.auto_shortlist(n) for n in (0, 1, 128, 129, 256, 482, 1024)] == [16, 16, 16, 32, 32, 64, 128]
-    auto = RouteConfig(shortlist=rs.SHORTLIST_AUTO)
-    assert [auto.for_document(n).shortlist for n in (6_967, 16_000, 30_836)] == [16, 32, 64]
-    assert RouteConfig(shortlist=rs.SHORTLIST_AUTO, region=32).for_document(16_000).shortlist == 64
-    fixed = RouteConfig(shortlist=24)
-    assert fixed.for_document(30_836) is fixed
-    assert "shortlist by document" in auto.describe() and "shortlist 64" in auto.for_document(30_836).describe()
+    auto = Route(shortlist=rs.SHORTLIST_AUTO)
+    assert [auto.shortlist_at(n) for n in (6_967, 16_000, 30_836)] == [16, 32, 64]
+    assert Route(shortlist=rs.SHORTLIST_AUTO, region=32).shortlist_at(16_000) == 64
+    assert Route(shortlist=24).shortlist_at(30_836) == 24
+    assert replace(auto, shortlist_floor=48).shortlist_at(16_000) == 48  # a calibrated route's floor
+    assert "shortlist by document" in auto.describe() and "shortlist 64" in replace(auto, shortlist=64).describe()
+    resolved = resolve_route(RouteConfig(), rs.UNCALIBRATED_ROUTE, RouteFacts(n_cells=30_836))
+    assert resolved.shortlist == 64
 
 
 def test_shortlist_option_takes_a_number_or_auto():

@@ -182,7 +182,10 @@ def test_eval_hands_one_route_config_to_the_grid(monkeypatch, tmp_path):
     assert (config.route.top_k, config.route.pin, config.route.question) == (3, 1, "steps")
     assert (config.prefill.mode, config.prefill.top_k) == ("routed", 16)
     assert opened[0][-2:] == (16, None)  # None: the centroids of the model's route
-    routes = list(config.routes())
+    from kvlocal.route_settings import UNCALIBRATED_ROUTE
+    from kvlocal.routing import resolve_route
+
+    routes = list(replace(config, route=resolve_route(config.route, UNCALIBRATED_ROUTE)).routes())  # as run_grid
     assert [(r.mode, r.top_k) for r in routes] == [("full", 3), ("geometric", 3), ("window", 3), ("random", 3),
                                                   ("geometric", 2)]
     assert all(r.question == "steps" and r.region == config.route.region for r in routes)
@@ -234,60 +237,81 @@ def test_the_option_groups_cover_the_cores_settings():
     setting but the mode and the seed (a command's own options) has its option, with the same default."""
     import dataclasses
 
-    from kvlocal.routing import PrefillConfig, RouteConfig
+    from kvlocal.routing import DEFAULT_ROUTE, PrefillConfig, RouteConfig
 
-    # the mode and seed are a command's own options; follows_set, follows_model and unhinted say whether those
-    # options were given, and the shortlist's floor comes with the model's route
-    core = {f.name for f in dataclasses.fields(RouteConfig)} - {"mode", "seed", "follows_set", "follows_model",
-                                                                  "unhinted", "shortlist_floor"}
+    core = {f.name for f in dataclasses.fields(RouteConfig)} - {"mode", "seed"}  # a command's own options
     cli_names = {"question" if f.name == "question_pass" else f.name for f in dataclasses.fields(RouteOptions)}
     assert cli_names - {"centroid_block", "centroid_type"} == core  # the centroids are the session's
-    assert RouteOptions().config(RouteConfig().mode) == RouteConfig(follows_set=True, follows_model=True)
+    assert RouteOptions().config(RouteConfig().mode) == DEFAULT_ROUTE  # nothing given
     assert len(dataclasses.fields(PrefillOptions)) == len(dataclasses.fields(PrefillConfig)) - 1  # but the mode
     assert PrefillOptions().config(PrefillConfig().mode) == PrefillConfig()
 
 
+def _resolved(options: dict, mode: str = "geometric", n_documents: int = 1, calibrated=None, hints=None,
+              n_cells=None):
+    """The route `options` resolve to (kvlocal.routing.resolve_route), `hints` the cells the question's
+    words would hint (None: no question yet)."""
+    from kvlocal.route_settings import UNCALIBRATED_ROUTE
+    from kvlocal.routing import RouteFacts, resolve_route
+
+    finder = None if hints is None else (lambda n, region, skip: hints[:2 * n])
+    facts = RouteFacts(n_documents, n_cells, finder)
+    return resolve_route(RouteOptions(**options).config(mode), calibrated or UNCALIBRATED_ROUTE, facts)
+
+
 def test_a_set_route_follows_the_set_until_top_k_hints_or_the_question_pass_is_given():
     """--top-k, --hints and --question-pass default to None: a route at its defaults follows the set
-    (RouteConfig.for_set: the library route over several documents); giving any of them takes the
-    route as given, the others at their single-document defaults."""
+    (the library route over several documents, the single-document one for a question without hints);
+    giving any of them takes the route as given, the others at their single-document defaults."""
     from kvlocal.route_settings import DEFAULT_QUESTION, DEFAULT_TOP_K, LIBRARY_HINTS, LIBRARY_QUESTION, LIBRARY_TOP_K
 
-    route = RouteOptions().config("geometric")
-    assert route.follows_set and (route.top_k, route.hints, route.question) == (DEFAULT_TOP_K, 0, DEFAULT_QUESTION)
-    assert route.for_set(1) == route
-    library = route.for_set(4)
+    one = _resolved({})
+    assert (one.top_k, one.hints, one.question) == (DEFAULT_TOP_K, 0, DEFAULT_QUESTION)
+    library = _resolved({}, n_documents=4)
     assert (library.top_k, library.hints, library.question) == (LIBRARY_TOP_K, LIBRARY_HINTS, LIBRARY_QUESTION)
-    assert library.unhinted == replace(route, follows_set=False) and not library.follows_set
-    assert library.for_hints(0) == library.unhinted and library.for_hints(1) == replace(library, unhinted=None)
-    assert RouteOptions().config("full").for_set(4).mode == "full"
+    hinted = _resolved({}, n_documents=4, hints=[640, 650], n_cells=64 * 40)
+    assert hinted == replace(library, hint_cells=(640, 650), shortlist=16)
+    assert _resolved({}, n_documents=4, hints=[], n_cells=64 * 40) == replace(one, shortlist=16)
+    assert _resolved({}, "full", n_documents=4) == _resolved({}, "full")
     for given in ({"top_k": 4}, {"hints": 0}, {"question_pass": "dense"}):
-        tuned = RouteOptions(**given).config("geometric")
-        assert not tuned.follows_set and tuned.for_set(4) == tuned
+        assert _resolved(given, n_documents=4) == _resolved(given) == one
     assert "a set of documents: 1" in " ".join(run("ask", "--help").output.split())
 
 
 def test_a_route_follows_the_model_until_top_k_or_layer_top_k_is_given():
-    """--top-k and --layer-top-k default to None: the route takes the model's calibrated budget
-    (RouteConfig.for_model: top-k, budgets per layer, the automatic shortlist's floor); giving either
-    takes the route as given. A set's library route keeps its own top-k and no budget per layer, and
-    its fallback for an unhinted question takes the model's."""
-    from kvlocal.route_settings import LIBRARY_TOP_K, SHORTLIST_AUTO, UNCALIBRATED_ROUTE, ModelRoute
+    """--top-k and --layer-top-k default to None: the route takes the model's calibrated budget (top-k,
+    budgets per layer, the automatic shortlist's floor); giving either takes the route as given. A set's
+    library route keeps its own top-k and no budget per layer, and its fallback for an unhinted
+    question takes the model's."""
+    from kvlocal.route_settings import LIBRARY_TOP_K, SHORTLIST_AUTO, ModelRoute
+    from kvlocal.routing import Route
 
     calibrated = ModelRoute(top_k=3, layer_top_k="2-3=8", centroid_type="q8_0", shortlist_floor=48)
-    route = RouteOptions().config("geometric")
-    assert route.follows_model
-    own = route.for_model(calibrated)
-    assert (own.top_k, own.layer_top_k, own.shortlist_floor, own.follows_model) == (3, "2-3=8", 48, False)
-    assert own.for_document(8192).shortlist == 48  # the floor: an eighth of 128 regions is 16
-    assert own.for_document(32768 * 4).shortlist == 256  # past the floor: an eighth of 2,048 regions
-    assert route.for_model(UNCALIBRATED_ROUTE) == replace(route, follows_model=False)
-    assert RouteOptions(shortlist=32).config("geometric").for_model(calibrated).shortlist_floor == 0
+    own = _resolved({}, calibrated=calibrated)
+    assert (own.top_k, own.layer_top_k, own.shortlist_floor, own.shortlist) == (3, "2-3=8", 48, SHORTLIST_AUTO)
+    assert own.shortlist_at(8192) == 48  # the floor: an eighth of 128 regions is 16
+    assert own.shortlist_at(32768 * 4) == 256  # past the floor: an eighth of 2,048 regions
+    assert _resolved({}, calibrated=calibrated, n_cells=8192).shortlist == 48
+    assert _resolved({}) == Route()
+    assert _resolved({"shortlist": 32}, calibrated=calibrated).shortlist_floor == 0
     for given in ({"top_k": 4}, {"layer_top_k": ""}, {"layer_top_k": "0=2"}):
-        tuned = RouteOptions(**given).config("geometric")
-        assert not tuned.follows_model and tuned.for_model(calibrated) == tuned
-    library = route.for_set(4).for_model(calibrated)
+        assert _resolved(given, calibrated=calibrated) == _resolved(given)
+    library = _resolved({}, n_documents=4, calibrated=calibrated)
     assert (library.top_k, library.layer_top_k, library.shortlist_floor) == (LIBRARY_TOP_K, "", 0)
-    assert library.for_hints(0) == replace(own, follows_set=False)
-    assert RouteOptions().config("window").for_model(calibrated).layer_top_k == "2-3=8"  # the controls: same budget
-    assert own.shortlist == SHORTLIST_AUTO
+    unhinted = _resolved({}, n_documents=4, calibrated=calibrated, hints=[])
+    assert unhinted == own
+    assert _resolved({}, "window", calibrated=calibrated).layer_top_k == "2-3=8"  # the controls: same budget
+
+
+def test_a_route_resolved_before_is_taken_as_it_is():
+    """A Route (resolved before, perhaps tuned: the TUI's keys, an eval's sweep) keeps its settings;
+    only the document's and the question's facts are added."""
+    from kvlocal.route_settings import ModelRoute
+    from kvlocal.routing import Route, RouteFacts, resolve_route
+
+    calibrated = ModelRoute(top_k=3, layer_top_k="2-3=8", shortlist_floor=48)
+    tuned = replace(_resolved({}, n_documents=4), top_k=5)
+    assert resolve_route(tuned, calibrated, RouteFacts(4)) == tuned
+    found = resolve_route(tuned, calibrated, RouteFacts(4, 64 * 40, lambda n, region, skip: []))
+    assert found == replace(tuned, shortlist=16)  # no fallback: a tuned route was asked for
+    assert resolve_route(Route(mode="window"), calibrated) == Route(mode="window")

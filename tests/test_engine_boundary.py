@@ -78,7 +78,7 @@ def test_only_the_engine_module_calls_the_c_api():
 
 
 def test_the_route_settings_are_plain_config():
-    """RouteConfig is applied by the engine: routing.py imports neither the engine nor ctypes."""
+    """A Route is applied by the engine: routing.py imports neither the engine nor ctypes."""
     tree = ast.parse((ROOT / "kvlocal" / "routing.py").read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

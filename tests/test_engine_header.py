@@ -151,10 +151,10 @@ def test_the_engine_defaults_are_the_tools():
     Python rule: the C default scores in one level), and the block summaries are off unless asked."""
     from kvlocal import route_settings as rs
     from kvlocal.engine import llama_cpp, route_api
-    from kvlocal.routing import RouteConfig, RouteMode
+    from kvlocal.routing import Route, RouteMode
 
     p = route_api().llama_kv_route_default_params()
-    route = RouteConfig()
+    route = Route()
     assert RouteMode(p.mode) == route.route_mode == RouteMode[rs.DEFAULT_MODE.upper()]
     assert (p.region_size, p.top_k, p.n_window, p.n_sink, p.seed) == (
         rs.DEFAULT_REGION, rs.DEFAULT_TOP_K, rs.DEFAULT_WINDOW, rs.DEFAULT_SINKS, 0)

@@ -22,7 +22,7 @@ from engine_probe import RawContext, ggml_base  # noqa: E402
 from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2, write_tiny_qwen35  # noqa: E402
 
 from kvlocal.engine import apply_route, llama_cpp  # noqa: E402
-from kvlocal.routing import PrefillConfig, RouteConfig  # noqa: E402
+from kvlocal.routing import PrefillConfig, Route  # noqa: E402
 
 GGML_MAX_DIMS, GGML_MAX_SRC = 4, 10
 F32, F16, Q8_0, I32, I64 = 0, 1, 8, 26, 27
@@ -68,7 +68,7 @@ def describe(lib, ptr) -> dict:
     }
 
 
-def record_decode_graph(model: Path, kv_type: int, route: RouteConfig, n_doc: int = 1200, n_batch: int = 1,
+def record_decode_graph(model: Path, kv_type: int, route: Route, n_doc: int = 1200, n_batch: int = 1,
                         centroid_type: int = F16, question: int = 0) -> list[dict]:
     """The nodes of a decode step (n_batch 1) or of a routed batch of n_batch tokens (a question);
     with `question` tokens read densely before the recorded step (the batch that writes the pins)."""
@@ -199,7 +199,7 @@ TYPES = [(F16, F16), (Q8_0, F16), (F16, Q8_0)]
 def test_routed_graph_nodes_are_supported_on_cuda_and_metal(models, kv_type, centroid_type, mode, arch,
                                                             n_batch):
     model = models[arch]
-    nodes = record_decode_graph(model, kv_type, RouteConfig(mode=mode, top_k=3, region=64),
+    nodes = record_decode_graph(model, kv_type, Route(mode=mode, top_k=3, region=64),
                                 n_batch=n_batch, centroid_type=centroid_type)
     routed = [n for n in nodes if n["name"].startswith(("kv_route", "kv_cent"))]
     assert routed, "the decode step did not take the routed path"
@@ -212,7 +212,7 @@ def test_routed_graph_nodes_are_supported_on_cuda_and_metal(models, kv_type, cen
 @pytest.mark.parametrize("mode", ["geometric", "window", "random"])
 def test_an_in_place_step_is_supported_on_cuda_and_metal(models, mode):
     # the step that attends to the cache under a mask of its regions (the path a CUDA build takes)
-    nodes = record_decode_graph(models["qwen2"], F16, RouteConfig(mode=mode, top_k=3, region=64, attention="in-place"))
+    nodes = record_decode_graph(models["qwen2"], F16, Route(mode=mode, top_k=3, region=64, attention="in-place"))
     assert any(n["name"].startswith("kv_route_mask") for n in nodes), "the step did not attend in place"
     bad_cuda = [(n["op"], n["name"]) for n in nodes if not cuda_supports(n)]
     bad_metal = [(n["op"], n["name"]) for n in nodes if not metal_supports(n)]
@@ -244,7 +244,7 @@ def backend_runs(nodes: list[dict]) -> list[tuple[str, int]]:
 def test_routed_nodes_run_where_their_layer_runs(models, arch, mode):
     # on a GPU build every layer is offloaded: a routed node computed elsewhere would be a scheduler
     # split back to the CPU (on a CPU build there is one backend and this holds trivially)
-    nodes = record_decode_graph(models[arch], F16, RouteConfig(mode=mode, top_k=3, region=64))
+    nodes = record_decode_graph(models[arch], F16, Route(mode=mode, top_k=3, region=64))
     layer_buffers = {n["buffer"] for n in nodes if n["op"] == "MUL_MAT" and n["name"].startswith("Qcur")}
     assert len(layer_buffers) == 1, f"the attention layers ran on several buffers: {layer_buffers}"
     routed = routed_nodes(nodes)
@@ -271,7 +271,7 @@ def test_a_routed_prefill_ubatch_is_supported_on_cuda_and_metal(models, kv_type,
 def test_pins_from_a_dense_question_are_supported_on_cuda_and_metal(models, kv_type, centroid_type, arch):
     # the question's dense batch that sums its attention per region, then the step that reads the pins
     model = models[arch]
-    route = RouteConfig(mode="geometric", top_k=3, region=64, keep=0.9, pin=2)
+    route = Route(mode="geometric", top_k=3, region=64, keep=0.9, pin=2)
     nodes = record_decode_graph(model, kv_type, route, centroid_type=centroid_type, question=9)
     assert any(n["name"].startswith("kv_route_pin_mass") for n in nodes), "the question wrote no pins"
     assert any(n["name"].startswith("kv_route_pins") for n in nodes), "the step read no pins"
@@ -283,7 +283,7 @@ def test_pins_from_a_dense_question_are_supported_on_cuda_and_metal(models, kv_t
 
 def test_top_k_rows_stay_within_the_cuda_limit_at_the_trained_context():
     # top_k scores one row of regions per KV head: 32,768 tokens / 64 = 512 regions <= 1024
-    assert 32768 // RouteConfig().region <= 1024
+    assert 32768 // Route().region <= 1024
 
 
 def _vendored_ggml() -> Path | None:

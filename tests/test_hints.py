@@ -6,7 +6,8 @@ import pytest
 
 from kvlocal.errors import UsageError
 from kvlocal.hints import FOLLOW, TextIndex, hint_cells, question_words
-from kvlocal.routing import RouteConfig
+from kvlocal.route_settings import UNCALIBRATED_ROUTE
+from kvlocal.routing import Route, RouteConfig, RouteFacts, resolve_route
 
 
 def index_of(words: list[str]) -> TextIndex:
@@ -77,9 +78,9 @@ def test_question_words_drop_the_stopwords_and_case():
 
 
 def test_hints_apply_to_geometric_routing_only_and_are_bounded():
-    assert RouteConfig(mode="geometric", hints=1).hinted == 1
-    assert RouteConfig(mode="window", hints=1).hinted == 0
-    assert RouteConfig(mode="random", hints=1).hinted == 0
+    assert Route(mode="geometric", hints=1).hinted == 1
+    assert Route(mode="window", hints=1).hinted == 0
+    assert Route(mode="random", hints=1).hinted == 0
     with pytest.raises(UsageError):
         RouteConfig(hints=-1)
 
@@ -112,14 +113,19 @@ def test_two_places_in_one_region_make_one_hint():
 
 
 def test_a_route_makes_room_for_its_hinted_regions():
+    def resolved(route: RouteConfig, cells: list[int]) -> Route:  # over a prefix of 40 regions of 64 cells
+        return resolve_route(route, UNCALIBRATED_ROUTE, RouteFacts(1, 40 * 64, lambda n, region, skip: cells))
+
     route = RouteConfig(mode="geometric", top_k=1, hints=1, question="steps")
-    assert route.reading_hints(2).top_k == 2
-    assert route.reading_hints(1) is route and route.reading_hints(0) is route
+    runs_on = [10 * 64 + 60, 11 * 64 + 20]  # a hinted word's sentence runs on into the next region
+    assert resolved(route, runs_on).top_k == 2 and resolved(route, runs_on).hint_cells == tuple(runs_on)
+    assert resolved(route, [10 * 64 + 5, 10 * 64 + 29]).top_k == 1 and resolved(route, []).top_k == 1
+    assert resolved(route, [5, 39 * 64 + 3]).top_k == 1  # the sinks and the window are read anyway
     wide = RouteConfig(mode="geometric", top_k=4, hints=1)
-    assert wide.reading_hints(2) is wide
+    assert resolved(wide, runs_on).top_k == 4
     # the pins stay what they were at the asked top-k
     pinned = RouteConfig(mode="geometric", top_k=1, pin=2, keep=0.9, question="dense", hints=1)
-    assert pinned.pins == 1 and pinned.reading_hints(2).pins == 1
+    assert resolved(pinned, []).pins == 1 and resolved(pinned, runs_on).pins == 1
 
 
 def test_a_hint_reads_to_its_sentence_s_end_at_least_follow_and_at_most_a_region_on():

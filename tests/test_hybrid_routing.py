@@ -19,7 +19,7 @@ from engine_probe import GraphRecorder, RawContext, routed_steps  # noqa: E402
 from synth_gguf import write_tiny_qwen35  # noqa: E402
 
 from kvlocal.engine import apply_route, llama_cpp  # noqa: E402
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
 
 N_DOC = 1500
 ATTN_LAYERS = [3, 7]  # of 8: every fourth layer attends fully
@@ -58,7 +58,7 @@ def set_state(raw: RawContext, state: bytes, n_past: int) -> None:
     raw.n_past = n_past
 
 
-def decode_from(raw: RawContext, state: bytes, steps: list[int], route: RouteConfig):
+def decode_from(raw: RawContext, state: bytes, steps: list[int], route: Route):
     """Restore the document's state, set the route, decode `steps` one at a time: logits and stats."""
     set_state(raw, state, N_DOC)
     return routed_steps(raw, steps, route)
@@ -78,12 +78,12 @@ def runs(qwen35_model):
         state = get_state(raw)
         steps = doc_tokens(8, seed=3)
         routes = {
-            "full": RouteConfig(mode="full"),
-            "all": RouteConfig(mode="geometric", top_k=1000, region=64),
-            "one": RouteConfig(mode="geometric", top_k=1, region=64),
-            "window": RouteConfig(mode="window", top_k=3, region=64),
-            "random": RouteConfig(mode="random", top_k=3, region=64),
-            "full again": RouteConfig(mode="full"),
+            "full": Route(mode="full"),
+            "all": Route(mode="geometric", top_k=1000, region=64),
+            "one": Route(mode="geometric", top_k=1, region=64),
+            "window": Route(mode="window", top_k=3, region=64),
+            "random": Route(mode="random", top_k=3, region=64),
+            "full again": Route(mode="full"),
         }
         yield {name: decode_from(raw, state, steps, route) for name, route in routes.items()}
     finally:
@@ -142,7 +142,7 @@ def test_routed_step_adds_only_gpu_ops(qwen35_model):
         raw = RawContext(qwen35_model, n_ctx=2048, recorder=rec)
         try:
             raw.decode(doc_tokens(700))
-            apply_route(raw.ctx, RouteConfig(mode=mode, top_k=2, region=64))
+            apply_route(raw.ctx, Route(mode=mode, top_k=2, region=64))
             rec.recording = True
             raw.decode([7])
             rec.recording = False
@@ -156,7 +156,7 @@ def test_routed_step_adds_only_gpu_ops(qwen35_model):
     assert routed_ops | added <= GPU_OPS, f"ops outside the CUDA/Metal set: {sorted((routed_ops | added) - GPU_OPS)}"
 
 
-def session_answers(model, text: str, questions: list[str], cache_dir, monkeypatch, route: RouteConfig):
+def session_answers(model, text: str, questions: list[str], cache_dir, monkeypatch, route: Route):
     from kvlocal.session import Session
 
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(cache_dir))
@@ -173,7 +173,7 @@ def session_answers(model, text: str, questions: list[str], cache_dir, monkeypat
 def test_questions_in_a_row_answer_as_fresh_sessions_and_the_state_round_trips(qwen35_model, tmp_path, monkeypatch, mode):
     text = " ".join(f"entry {i}: the value is {i * 7 % 101}." for i in range(90))
     questions = ["which value?", "hello world?", "which value?"]
-    route = RouteConfig(mode=mode, top_k=2, region=64)
+    route = Route(mode=mode, top_k=2, region=64)
     cache = tmp_path / "cache"
     loaded, in_a_row = session_answers(qwen35_model, text, questions, cache, monkeypatch, route)
     assert not loaded.cache_hit and loaded.saved

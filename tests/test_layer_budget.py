@@ -15,7 +15,7 @@ from engine_probe import RawContext, context_with_document, routed_steps  # noqa
 
 from kvlocal.engine import apply_route, llama_cpp, route_api  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route, RouteConfig  # noqa: E402
 
 N_DOC = 1500  # 24 regions of 64 cells: region 0 the sinks, 22-23 the window
 N_LAYER, N_HEAD_KV, HEAD_DIM = 2, 2, 16  # the tiny qwen2
@@ -29,7 +29,7 @@ def raw(tiny_model):
     ctx.close()
 
 
-def steps(raw: RawContext, route: RouteConfig, tokens=(5,), hints: list[int] | None = None):
+def steps(raw: RawContext, route: Route, tokens=(5,), hints: list[int] | None = None):
     """Decode `tokens` after the document under `route` (and hinted cells); rewound after."""
     m = llama_cpp()
     cells = (ctypes.c_int32 * max(1, len(hints or [])))(*(hints or []))
@@ -48,7 +48,7 @@ def per_layer(stats) -> list[list[list[int]]]:
 
 
 def test_each_layer_gathers_its_own_budget_and_the_counts_are_exact(raw):
-    [(_, st)] = steps(raw, RouteConfig(mode="geometric", top_k=2, region=64, layer_top_k="1=5"))
+    [(_, st)] = steps(raw, Route(mode="geometric", top_k=2, region=64, layer_top_k="1=5"))
     assert st.n_sel == FIXED + 5  # the layer that gathers the most
     layers = per_layer(st)
     for head in range(N_HEAD_KV):
@@ -62,8 +62,8 @@ def test_each_layer_gathers_its_own_budget_and_the_counts_are_exact(raw):
 
 @pytest.mark.parametrize("mode", ["window", "random"])
 def test_the_controls_read_as_many_regions_per_layer(raw, mode):
-    [(_, geo)] = steps(raw, RouteConfig(mode="geometric", top_k=2, region=64, layer_top_k="0=4"))
-    [(_, ctl)] = steps(raw, RouteConfig(mode=mode, top_k=2, region=64, layer_top_k="0=4", seed=3))
+    [(_, geo)] = steps(raw, Route(mode="geometric", top_k=2, region=64, layer_top_k="0=4"))
+    [(_, ctl)] = steps(raw, Route(mode=mode, top_k=2, region=64, layer_top_k="0=4", seed=3))
     assert (ctl.n_sel, ctl.rows_read, ctl.bytes_kv) == (geo.n_sel, geo.rows_read, geo.bytes_kv)
     layers = per_layer(ctl)
     for head in range(N_HEAD_KV):
@@ -78,9 +78,9 @@ def test_the_controls_read_as_many_regions_per_layer(raw, mode):
 
 def test_every_region_in_every_layer_is_dense_attention_and_one_layer_is_not(raw):
     tokens = (5, 17, 42)
-    dense = steps(raw, RouteConfig(mode="full"), tokens)
-    every = steps(raw, RouteConfig(mode="geometric", top_k=1, region=64, shortlist=0, layer_top_k="0-1=1000"), tokens)
-    one = steps(raw, RouteConfig(mode="geometric", top_k=1, region=64, shortlist=0, layer_top_k="0=1000"), tokens)
+    dense = steps(raw, Route(mode="full"), tokens)
+    every = steps(raw, Route(mode="geometric", top_k=1, region=64, shortlist=0, layer_top_k="0-1=1000"), tokens)
+    one = steps(raw, Route(mode="geometric", top_k=1, region=64, shortlist=0, layer_top_k="0=1000"), tokens)
     diff = max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, every))
     assert diff <= 5e-3, diff  # the flash-attention summation order, as in test_routing's oracle
     assert max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, one)) > diff
@@ -89,18 +89,18 @@ def test_every_region_in_every_layer_is_dense_attention_and_one_layer_is_not(raw
 
 def test_the_same_budget_in_every_layer_is_the_route_without_budgets(raw):
     tokens = (5, 17)
-    plain = steps(raw, RouteConfig(mode="geometric", top_k=3, region=64), tokens)
-    same = steps(raw, RouteConfig(mode="geometric", top_k=1, region=64, pin=1, layer_top_k="0-1=3"), tokens)
+    plain = steps(raw, Route(mode="geometric", top_k=3, region=64), tokens)
+    same = steps(raw, Route(mode="geometric", top_k=1, region=64, pin=1, layer_top_k="0-1=3"), tokens)
     for (la, sa), (lb, sb) in zip(plain, same):
         assert np.array_equal(la, lb)
         assert np.array_equal(sa.regions, sb.regions) and sa.rows_read == sb.rows_read
     # and the budgets are cleared by a route without them (the next step reads top-k everywhere)
-    [(_, after)] = steps(raw, RouteConfig(mode="geometric", top_k=1, region=64))
+    [(_, after)] = steps(raw, Route(mode="geometric", top_k=1, region=64))
     assert after.n_sel == FIXED + 1 and (after.regions >= 0).all()
 
 
 def test_a_layer_whose_budget_the_hints_take_routes_nothing_more(raw):
-    route = RouteConfig(mode="geometric", top_k=1, region=64, pin=1, layer_top_k="1=3")
+    route = Route(mode="geometric", top_k=1, region=64, pin=1, layer_top_k="1=3")
     [(_, plain)] = steps(raw, route)
     unread = sorted(set(range(1, 22)) - {r for layer in per_layer(plain) for head in layer for r in head})[0]
     [(_, hinted)] = steps(raw, route, hints=[unread * 64 + 5])
@@ -119,12 +119,12 @@ def test_budgets_the_engine_or_the_model_cannot_take_are_refused(raw):
     assert api.llama_kv_route_set_layer_top_k(raw.ctx, zero, 2) == -1
     assert api.llama_kv_route_set_layer_top_k(raw.ctx, values, 0) == 0  # clears
     with pytest.raises(UsageError, match="layers 0-1"):
-        apply_route(raw.ctx, RouteConfig(layer_top_k="2=4"))
+        apply_route(raw.ctx, Route(layer_top_k="2=4"))
     for spec in ("x", "3-1=2", "1=0", "16-23"):
         with pytest.raises(UsageError, match="--layer-top-k"):
-            RouteConfig(layer_top_k=spec)
+            Route(layer_top_k=spec)
     with pytest.raises(UsageError, match="top-k of at least 1"):
-        RouteConfig(top_k=0, layer_top_k="1=2")
+        Route(top_k=0, layer_top_k="1=2")
 
 
 def test_a_model_with_a_calibrated_route_answers_with_its_budget_by_default(tiny_model, tmp_path, monkeypatch):

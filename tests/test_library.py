@@ -4,6 +4,7 @@ order, reads are attributed to documents, and a model whose memory cannot be com
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,14 +23,14 @@ from kvlocal.layout import DocumentSpan, SetReads  # noqa: E402
 from kvlocal.library import LAYOUT_UNIT, load_set  # noqa: E402
 from kvlocal.prompt import Segment  # noqa: E402
 from kvlocal.progress import answer_summary  # noqa: E402
-from kvlocal.routing import Fallback, ReadStats, RouteConfig, RouteMode  # noqa: E402
+from kvlocal.routing import Fallback, ReadStats, Route, RouteConfig, RouteMode  # noqa: E402
 from kvlocal.session import Session  # noqa: E402
 
 A = Document(" ".join(f"entry {i}: value {i * 7 % 101}." for i in range(50)), "a.txt", "txt")
 B = Document(" ".join(f"line {i} says {i * 13 % 97} apples." for i in range(70)), "b.txt", "txt")
 C = Document(" ".join(f"row {i} holds {i * 5 % 89} coins." for i in range(30)), "c.txt", "txt")
 QUESTION = "which value?"
-ROUTE = RouteConfig(mode="geometric", top_k=2, region=64)
+ROUTE = Route(mode="geometric", top_k=2, region=64)
 # the assembled set's K are moved by the engine's K-shift: re-rotated and rounded to f16 again, not
 # bit-exact against a fresh RoPE (see test_library_upstream). Measured here: 6e-4 at a shift of about
 # 1.2k positions, on logits of magnitude ~0.3 (attending across documents, which a set does not, moves
@@ -220,7 +221,7 @@ def question_tokens(lib: Session) -> list[int]:
     return lib.tokenize_prompt(lib.parts.question_segments(QUESTION), bos=False)
 
 
-def set_steps(lib: Session, route: RouteConfig, steps: list[int] = STEPS) -> list[tuple[np.ndarray, ReadStats]]:
+def set_steps(lib: Session, route: Route, steps: list[int] = STEPS) -> list[tuple[np.ndarray, ReadStats]]:
     """The question read in one dense batch under `route` (geometric writes its pins there), then the
     fixed `steps` decoded one by one: logits and read stats of each."""
     lib._rewind()
@@ -235,8 +236,8 @@ def set_steps(lib: Session, route: RouteConfig, steps: list[int] = STEPS) -> lis
 
 def every_region_error(lib: Session) -> tuple[float, list, list]:
     """The largest |logit| difference between full attention and every region selected, and both runs."""
-    full = set_steps(lib, RouteConfig(mode="full"))
-    every = set_steps(lib, RouteConfig(mode="geometric", top_k=1000, region=64))
+    full = set_steps(lib, Route(mode="full"))
+    every = set_steps(lib, Route(mode="geometric", top_k=1000, region=64))
     return max(float(np.abs(a - b).max()) for (a, _), (b, _) in zip(full, every)), full, every
 
 
@@ -247,7 +248,7 @@ def test_every_region_selected_over_a_set_reproduces_full_attention(lib, layout)
     load = load_set(lib, [A, B], layout=layout)
     assert lib.context.route_centroid_block() > 0  # two unified sequences keep centroids
     diff, full, every = every_region_error(lib)
-    one = set_steps(lib, RouteConfig(mode="geometric", top_k=1, region=64))
+    one = set_steps(lib, Route(mode="geometric", top_k=1, region=64))
     assert diff <= min(SET_ORACLE_TOL, 1.5 * single), f"max |logit diff| {diff} (one sequence: {single})"
     assert [int(a.argmax()) for a, _ in full] == [int(b.argmax()) for b, _ in every]
     assert all(s.fallback == Fallback.MODE_FULL and s.n_layer_routed == 0 for _, s in full)
@@ -260,13 +261,13 @@ def test_every_region_selected_over_a_set_reproduces_full_attention(lib, layout)
     # and the greedy answer is the same text: its first 4 tokens (the random model's top two logits come
     # within the error above later on: the parallel set's 6th token flips, as one of the single-sequence
     # path's steps does at this length)
-    dense_text = lib.answer(QUESTION, route=RouteConfig(mode="full"), max_tokens=4).text
-    assert lib.answer(QUESTION, route=RouteConfig(mode="geometric", top_k=1000, region=64), max_tokens=4).text == dense_text
+    dense_text = lib.answer(QUESTION, route=Route(mode="full"), max_tokens=4).text
+    assert lib.answer(QUESTION, route=Route(mode="geometric", top_k=1000, region=64), max_tokens=4).text == dense_text
 
 
 def test_geometric_over_a_set_reads_fewer_rows_than_full_with_exact_counts(lib):
     load = load_set(lib, [A, B])
-    [(_, full)] = set_steps(lib, RouteConfig(mode="full"), STEPS[:1])
+    [(_, full)] = set_steps(lib, Route(mode="full"), STEPS[:1])
     routed = set_steps(lib, ROUTE)
     first = load.n_cells + len(question_tokens(lib))  # the first step's cell
     assert routed[0][1].rows_dense == full.rows_dense == full.rows_read  # full reads every cell of its view
@@ -291,7 +292,7 @@ def test_geometric_over_a_set_reads_fewer_rows_than_full_with_exact_counts(lib):
 
 def test_window_and_random_over_a_set_choose_other_regions_than_geometric(lib):
     load_set(lib, [A, B])
-    picks = {mode: [st.regions.copy() for _, st in set_steps(lib, RouteConfig(mode=mode, top_k=2, region=64))]
+    picks = {mode: [st.regions.copy() for _, st in set_steps(lib, Route(mode=mode, top_k=2, region=64))]
              for mode in ("geometric", "window", "random")}
     assert all(a.shape == b.shape for a, b in zip(picks["geometric"], picks["window"]))
     for mode in ("window", "random"):
@@ -308,7 +309,7 @@ def test_a_ubatch_of_several_sequences_still_falls_back(lib):
         for i, seq in enumerate((0, 1)):  # one token of the question's sequence, the staging one's first
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = 5 + i, (pos, 0)[i], 1, True
             batch.seq_id[i][0] = seq
-        lib.context.apply_route(RouteConfig(mode="geometric", top_k=2, region=64), batch_top_k=2)
+        lib.context.apply_route(Route(mode="geometric", top_k=2, region=64), batch_top_k=2)
         assert m.llama_decode(lib.context.raw_context, batch) == 0
     finally:
         m.llama_batch_free(batch)
@@ -335,7 +336,7 @@ def test_several_sequences_keep_centroids_in_one_stream_only(tiny_model, unified
 
 
 def test_a_set_answers_with_its_own_route_unless_the_route_was_tuned(lib):
-    """A set of several documents with the route at its defaults (follows_set) takes the library route
+    """A set of several documents with the route at its defaults (none of top-k, hints, question pass given) takes the library route
     of route_settings; a question whose words hint nowhere takes the defaults instead; one document, a
     tuned route and full attention stay as given. The summary holds the route the answer took."""
     from kvlocal.route_settings import LIBRARY_HINTS, LIBRARY_QUESTION, LIBRARY_TOP_K
@@ -343,18 +344,17 @@ def test_a_set_answers_with_its_own_route_unless_the_route_was_tuned(lib):
     lines = [f"row {i} holds {i * 5 % 89} coins." for i in range(40)]
     lines[20] = "row 20 holds the zanzibar ledger code 4242."
     Z = Document(" ".join(lines), "z.txt", "txt")
-    defaults = RouteConfig(follows_set=True)
+    defaults = RouteConfig(top_k=None, hints=None, question=None)
     load_set(lib, [A, Z])
     hinted = lib.answer("Which ledger code does Zanzibar hold?", route=defaults, max_tokens=2)
     assert hinted.hint_cells and lib.document_at(hinted.hint_cells[0]).label == "z.txt"
     assert (hinted.route.hints, hinted.route.question) == (LIBRARY_HINTS, LIBRARY_QUESTION)
     assert LIBRARY_TOP_K <= hinted.route.top_k <= 2  # raised to the hinted regions where its sentence runs on
-    assert hinted.route.unhinted is None and not hinted.route.follows_set
     plain = lib.answer("Which value?", route=defaults, max_tokens=2)  # no rare word: the defaults
-    assert plain.hint_cells == () and plain.route == RouteConfig().for_document(lib.prefix_cells)
+    assert plain.hint_cells == () and plain.route == replace(Route(), shortlist=Route().shortlist_at(lib.prefix_cells))
     tuned = RouteConfig(top_k=3)  # a route given on the command line is taken as it is
     assert lib.answer("Which ledger code does Zanzibar hold?", route=tuned, max_tokens=1).route.top_k == 3
-    assert lib.answer(QUESTION, route=RouteConfig(mode="full", follows_set=True), max_tokens=1).route.mode == "full"
+    assert lib.answer(QUESTION, route=replace(defaults, mode="full"), max_tokens=1).route.mode == "full"
     load_set(lib, [Z])  # one document: the single-document defaults
     alone = lib.answer("Which ledger code does Zanzibar hold?", route=defaults, max_tokens=1)
     assert (alone.route.top_k, alone.route.hints, alone.route.question) == (4, 0, "dense")

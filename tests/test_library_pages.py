@@ -14,7 +14,7 @@ from test_ingest import make_pdf
 from kvlocal.ingest import Document, load_document, page_starts
 from kvlocal.layout import DocumentSpan, SetReads
 from kvlocal.library import load_set
-from kvlocal.routing import ReadStats, RouteConfig, RouteMode
+from kvlocal.routing import ReadStats, Route, RouteMode
 
 PAGES = [
     [f"Page {p} line {i}: the valve {p * 100 + i} holds {(p * 31 + i * 7) % 97} litres." for i in range(24)]
@@ -130,7 +130,7 @@ def test_a_set_knows_the_cell_each_page_starts_at_and_its_reads_by_page(lib, tmp
 
     tally = lib.read_tally()
     rows = 0
-    for piece in lib.ask("which valve holds 40 litres?", route=RouteConfig(mode="geometric", top_k=2, region=64),
+    for piece in lib.ask("which valve holds 40 litres?", route=Route(mode="geometric", top_k=2, region=64),
                          max_tokens=6, want_regions=True):
         tally.add(piece.stats)
         rows += piece.stats.rows_read if piece.stats else 0

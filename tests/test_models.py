@@ -262,13 +262,13 @@ def test_calibrated_routes_name_registry_models_and_the_default_has_one() -> Non
     """route_settings.MODEL_ROUTES is keyed by a registry model's sha256; the default model has a route
     whose settings the core accepts (the 1.5B has 28 layers: its budgets per layer name layers below)."""
     from kvlocal.route_settings import CENTROID_TYPES, MODEL_ROUTES, parse_layer_top_k
-    from kvlocal.routing import RouteConfig
+    from kvlocal.routing import Route
 
     registry = {spec.sha256 for spec in models.ALIASES.values()}
     assert set(MODEL_ROUTES) <= registry
     assert models.ALIASES[models.DEFAULT_ALIAS].sha256 in MODEL_ROUTES
     for calibrated in MODEL_ROUTES.values():
-        route = RouteConfig(top_k=calibrated.top_k, layer_top_k=calibrated.layer_top_k,
-                            shortlist_floor=calibrated.shortlist_floor)
+        route = Route(top_k=calibrated.top_k, layer_top_k=calibrated.layer_top_k,
+                      shortlist_floor=calibrated.shortlist_floor)
         assert calibrated.centroid_type in CENTROID_TYPES
         assert max(last for _, last, _ in parse_layer_top_k(route.layer_top_k)) < 28

@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-from kvlocal.routing import PrefillConfig, RouteConfig  # noqa: E402
+from kvlocal.routing import PrefillConfig, Route  # noqa: E402
 from kvlocal.session import Session  # noqa: E402
 
 TEXT = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(75))
@@ -74,9 +74,9 @@ def test_a_prefill_leaves_the_answer_its_own_route(tiny_model):
     session = Session(str(tiny_model), threads=2, n_batch=N_BATCH)
     try:
         session.load_document(TEXT, prefill=PrefillConfig(mode="routed", top_k=1, start=START), use_cache=False)
-        full = session.answer("which value?", route=RouteConfig(mode="full"), max_tokens=3)
+        full = session.answer("which value?", route=Route(mode="full"), max_tokens=3)
         assert full.rows_read == full.rows_dense and full.reduction == 1.0
-        geo = session.answer("which value?", route=RouteConfig(mode="geometric", top_k=1), max_tokens=3)
+        geo = session.answer("which value?", route=Route(mode="geometric", top_k=1), max_tokens=3)
         assert geo.bytes_read < geo.bytes_dense
     finally:
         session.close()

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvlocal.answer import AnswerSummary
 from kvlocal.progress import StatusLine, answer_summary, download_text, load_summary, prefill_text
-from kvlocal.routing import PrefillConfig, ReadStats, RouteConfig, RouteMode
+from kvlocal.routing import PrefillConfig, ReadStats, Route, RouteMode
 from kvlocal.session import LoadResult, PrefillProgress, PrefillReads
 
 
@@ -63,7 +63,7 @@ def test_load_summary_says_how_the_document_got_there():
 
 
 def test_answer_summary_adds_the_reads_of_every_step():
-    route = RouteConfig(mode="geometric", top_k=2, region=64)
+    route = Route(mode="geometric", top_k=2, region=64)
     s = AnswerSummary("hi", n_question_tokens=5, n_answer_tokens=4, decode_seconds=2.0, route=route)
     regions = np.array([[[0, 3, 9]], [[0, 3, 4]]], np.int32)  # [layer, head, n_sel]
     for _ in range(2):
@@ -81,6 +81,6 @@ def test_answer_summary_adds_the_reads_of_every_step():
     assert s.answer_reduction == 524_288 / 102_400
     assert ("of which the question read in one dense pass: 100.0 KiB; the answer's 4 steps: 100.0 KiB "
             "= 5.1x fewer bytes than dense steps") in answer_summary(s)
-    assert "of which" not in answer_summary(dataclasses.replace(s, route=RouteConfig(question="steps")))
+    assert "of which" not in answer_summary(dataclasses.replace(s, route=Route(question="steps")))
     s.context_full = True
     assert "context is full" in answer_summary(s)

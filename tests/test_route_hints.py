@@ -12,7 +12,7 @@ pytestmark = pytest.mark.engine
 from engine_probe import RawContext, context_with_document  # noqa: E402
 
 from kvlocal.engine import apply_route, llama_cpp, read_stats, route_api  # noqa: E402
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
 
 N_DOC = 1500  # 24 regions of 64 cells: region 0 the sinks, 22-23 the window
 
@@ -24,7 +24,7 @@ def raw(tiny_model):
     ctx.close()
 
 
-def step(raw: RawContext, route: RouteConfig, hints: list[int]):
+def step(raw: RawContext, route: Route, hints: list[int]):
     """One decode step after the document with these hinted cells; the cache is rewound after it."""
     m = llama_cpp()
     cells = (ctypes.c_int32 * max(1, len(hints)))(*hints)
@@ -44,7 +44,7 @@ def regions_read(stats) -> set[int]:
 
 
 def test_a_hinted_region_is_read_by_every_layer_and_head_in_place_of_a_choice(raw):
-    route = RouteConfig(mode="geometric", top_k=2, region=64)
+    route = Route(mode="geometric", top_k=2, region=64)
     plain = step(raw, route, [])
     unread = sorted(set(range(1, 22)) - regions_read(plain))[0]
     hinted = step(raw, route, [unread * 64 + 5])
@@ -56,7 +56,7 @@ def test_a_hinted_region_is_read_by_every_layer_and_head_in_place_of_a_choice(ra
 
 
 def test_hints_are_capped_at_top_k_and_skip_the_sinks_and_the_window(raw):
-    route = RouteConfig(mode="geometric", top_k=2, region=64)
+    route = Route(mode="geometric", top_k=2, region=64)
     plain = step(raw, route, [])
     # sinks (region 0), window (23), out of range, negative: nothing to hint; the plan is unchanged
     ignored = step(raw, route, [3, 23 * 64 + 1, 10**6, -5])
@@ -71,13 +71,13 @@ def test_hints_are_capped_at_top_k_and_skip_the_sinks_and_the_window(raw):
 
 @pytest.mark.parametrize("mode", ["window", "random"])
 def test_the_controls_ignore_hints(raw, mode):
-    route = RouteConfig(mode=mode, top_k=2, region=64)
+    route = Route(mode=mode, top_k=2, region=64)
     np.testing.assert_array_equal(step(raw, route, []).regions, step(raw, route, [10 * 64]).regions)
 
 
 def test_every_region_selected_with_hints_still_reproduces_dense(raw):
-    dense = step(raw, RouteConfig(mode="full"), [])
-    every = step(raw, RouteConfig(mode="geometric", top_k=1000, region=64), [10 * 64, 12 * 64])
+    dense = step(raw, Route(mode="full"), [])
+    every = step(raw, Route(mode="geometric", top_k=1000, region=64), [10 * 64, 12 * 64])
     assert every.rows_read == dense.rows_dense
 
 
@@ -87,7 +87,7 @@ def test_the_session_hints_the_region_that_names_the_asked_word(tiny_model, tmp_
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
     lines = [f"entry {i}: the value is {i * 7 % 101}." for i in range(120)]
     lines[60] = "entry 60: the zanzibar value is 4242."
-    route = RouteConfig(mode="geometric", top_k=2, region=64, hints=1)
+    route = Route(mode="geometric", top_k=2, region=64, hints=1)
     session = Session(str(tiny_model), threads=2, n_ctx=4096)
     try:
         session.load_document(" ".join(lines))
@@ -114,7 +114,7 @@ def test_at_top_1_a_hint_whose_sentence_runs_on_reads_the_next_region_too(tiny_m
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
     lines = [f"entry {i}: the value is {i * 7 % 101}." for i in range(120)]
     lines[60] = "entry 60: the zanzibar value is 4242."
-    route = RouteConfig(mode="geometric", top_k=1, region=64, hints=1, question="steps")
+    route = Route(mode="geometric", top_k=1, region=64, hints=1, question="steps")
     question = "Which value does Zanzibar have?"
     session = Session(str(tiny_model), threads=2, n_ctx=4096)
     try:
@@ -129,7 +129,7 @@ def test_at_top_1_a_hint_whose_sentence_runs_on_reads_the_next_region_too(tiny_m
         a, b = summary.hint_cells[:2]
         assert a % 64 > 64 - FOLLOW and b == a + FOLLOW and b // 64 == a // 64 + 1
         assert session.span_text(a, a + 8).lower().lstrip().startswith("zanzibar")
-        unhinted = RouteConfig(mode="geometric", top_k=1, region=64, question="steps")
+        unhinted = Route(mode="geometric", top_k=1, region=64, question="steps")
         plain = [p.stats for p in session.ask(question, route=unhinted, max_tokens=1, want_regions=True) if p.stats]
     finally:
         session.close()

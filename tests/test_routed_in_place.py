@@ -22,7 +22,7 @@ from synth_gguf import write_tiny_qwen2  # noqa: E402
 
 from kvlocal.engine import llama_cpp  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
 
 N_DOC = 1500
 STEPS = [17, 93, 5, 211, 42]
@@ -39,7 +39,7 @@ def doc_tokens(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in rng.integers(0, 250, size=n)]
 
 
-def runs(model, routes: list[RouteConfig], recorder: GraphRecorder | None = None):
+def runs(model, routes: list[Route], recorder: GraphRecorder | None = None):
     """Prefill N_DOC tokens once, then decode STEPS with each route from the same prefix."""
     raw = RawContext(model, n_ctx=2048, recorder=recorder)
     m = llama_cpp()
@@ -68,9 +68,9 @@ def max_diff(a, b) -> float:
 def test_every_region_in_place_reproduces_dense(tiny_model, gqa_model, which):
     model = tiny_model if which == "tiny" else gqa_model
     (dense, _), (every, _), (one, _) = runs(model, [
-        RouteConfig(mode="full"),
-        RouteConfig(mode="geometric", top_k=1000, region=64, attention="in-place"),
-        RouteConfig(mode="geometric", top_k=1, region=64, attention="in-place"),
+        Route(mode="full"),
+        Route(mode="geometric", top_k=1000, region=64, attention="in-place"),
+        Route(mode="geometric", top_k=1, region=64, attention="in-place"),
     ])
     scale = max(float(np.max(np.abs(a[0]))) for a in dense)
     diff = max_diff(dense, every)
@@ -82,7 +82,7 @@ def test_every_region_in_place_reproduces_dense(tiny_model, gqa_model, which):
 
 @pytest.mark.parametrize("mode", ["geometric", "window", "random"])
 def test_in_place_attends_to_the_cells_the_gather_reads(gqa_model, mode):
-    route = RouteConfig(mode=mode, top_k=2, region=64, seed=3)
+    route = Route(mode=mode, top_k=2, region=64, seed=3)
     (gathered, _), (in_place, _) = runs(gqa_model, [replace(route, attention="gather"),
                                                     replace(route, attention="in-place")])
     for (lg, sg), (li, si) in zip(gathered, in_place):
@@ -98,9 +98,9 @@ def test_in_place_attends_to_the_cells_the_gather_reads(gqa_model, mode):
 def test_the_graph_is_the_path_asked_for(gqa_model):
     recorder = GraphRecorder()
     (_, gather_nodes), (_, place_nodes), (_, auto_nodes) = runs(gqa_model, [
-        RouteConfig(mode="geometric", top_k=2, region=64, attention="gather"),
-        RouteConfig(mode="geometric", top_k=2, region=64, attention="in-place"),
-        RouteConfig(mode="geometric", top_k=2, region=64),
+        Route(mode="geometric", top_k=2, region=64, attention="gather"),
+        Route(mode="geometric", top_k=2, region=64, attention="in-place"),
+        Route(mode="geometric", top_k=2, region=64),
     ], recorder)
     names = lambda nodes: {name.split("-")[0] for _, name in nodes}  # noqa: E731
     ops = lambda nodes: [op for op, _ in nodes]  # noqa: E731
@@ -114,4 +114,4 @@ def test_the_graph_is_the_path_asked_for(gqa_model):
 
 def test_an_unknown_attention_path_is_a_usage_error():
     with pytest.raises(UsageError, match="attention path"):
-        RouteConfig(attention="sideways")
+        Route(attention="sideways")

@@ -17,7 +17,7 @@ from synth_gguf import write_tiny_olmo2_swa, write_tiny_qwen2  # noqa: E402
 
 from kvlocal.engine import apply_route, engine_info, llama_cpp, read_stats, route_api  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
 
 # ops that both ggml-cuda and ggml-metal implement for the types the routed graph feeds them
 # (checked against their supports_op in tests/test_gpu_ops.py)
@@ -48,7 +48,7 @@ def doc_tokens(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in rng.integers(0, 250, size=n)]
 
 
-def decode_steps(raw: RawContext, n_prefix: int, steps: list[int], route: RouteConfig):
+def decode_steps(raw: RawContext, n_prefix: int, steps: list[int], route: Route):
     """Rewind to the prefix, set the route, decode `steps` one token at a time: logits and stats per step."""
     m = llama_cpp()
     m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, n_prefix, -1)
@@ -66,9 +66,9 @@ def oracle_runs(raw: RawContext, steps: list[int], shortlist: int = 0):
     """Prefill N_DOC tokens, then decode `steps` densely, with every region routed, and with one."""
     raw.decode(doc_tokens(N_DOC))
     return [decode_steps(raw, N_DOC, steps, route) for route in (
-        RouteConfig(mode="full"),
-        RouteConfig(mode="geometric", top_k=1000, region=64, shortlist=shortlist),
-        RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist),
+        Route(mode="full"),
+        Route(mode="geometric", top_k=1000, region=64, shortlist=shortlist),
+        Route(mode="geometric", top_k=1, region=64, shortlist=shortlist),
     )]
 
 
@@ -99,7 +99,7 @@ def test_read_stats_are_exact_for_window_mode(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        route = RouteConfig(mode="window", top_k=3, region=64, window=128, sinks=64)
+        route = Route(mode="window", top_k=3, region=64, window=128, sinks=64)
         [(_, st)] = decode_steps(raw, N_DOC, [5], route)
     finally:
         raw.close()
@@ -126,10 +126,10 @@ def test_geometric_stats_count_centroid_bytes(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        [(_, st)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=0, keep=0))
-        [(_, two)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="geometric", top_k=4, region=64, shortlist=6,
+        [(_, st)] = decode_steps(raw, N_DOC, [5], Route(mode="geometric", top_k=4, region=64, shortlist=0, keep=0))
+        [(_, two)] = decode_steps(raw, N_DOC, [5], Route(mode="geometric", top_k=4, region=64, shortlist=6,
                                                                keep=0))
-        [(_, rnd)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="random", top_k=4, region=64, seed=7))
+        [(_, rnd)] = decode_steps(raw, N_DOC, [5], Route(mode="random", top_k=4, region=64, seed=7))
     finally:
         raw.close()
     n_layer, n_head_kv, head_dim, cent_blk = 2, 2, 16, 16
@@ -154,7 +154,7 @@ def test_q8_0_centroids_scan_fewer_bytes_and_choose_alike(tiny_model, model64):
     """kv_centroid_type = Q8_0 keeps the centroids in 34 bytes per 32 values instead of 64: the scan
     counts exactly that, the gathered rows do not change, and the choice is nearly the F16 one. A
     head size that is not whole Q8_0 blocks keeps F16; another type is refused."""
-    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=6, keep=0)
+    route = Route(mode="geometric", top_k=2, region=64, shortlist=6, keep=0)
     steps = doc_tokens(6, seed=4)
     runs = {}
     for name, centroid_type in (("f16", 1), ("q8_0", 8)):
@@ -191,8 +191,8 @@ def test_pins_from_a_dense_question_steer_the_answer_until_forgotten(model64):
     m = llama_cpp()
     question, step = doc_tokens(9, seed=7), doc_tokens(1, seed=8)
     n_layer, n_head_kv, head_dim = 2, 1, 64
-    plain = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, pin=0)
-    pinned = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, pin=2)
+    plain = Route(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, pin=0)
+    pinned = Route(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.9, pin=2)
 
     def ask(raw, route):
         m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, N_DOC, -1)
@@ -229,7 +229,7 @@ def test_route_graph_uses_gpu_ops_only(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048, recorder=rec)
     try:
         raw.decode(doc_tokens(700))
-        apply_route(raw.ctx, RouteConfig(mode="geometric", top_k=2, region=64))
+        apply_route(raw.ctx, Route(mode="geometric", top_k=2, region=64))
         rec.recording = True
         raw.decode([7])
         rec.recording = False
@@ -247,7 +247,7 @@ def test_routing_survives_rewind_and_reload(tiny_model, tmp_path, monkeypatch):
 
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
     text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(80))
-    route = RouteConfig(mode="geometric", top_k=2, region=32)
+    route = Route(mode="geometric", top_k=2, region=32)
 
     def first_regions(session):
         for event in session.ask("which value?", route=route, max_tokens=2, want_regions=True):
@@ -267,13 +267,13 @@ def test_routing_survives_rewind_and_reload(tiny_model, tmp_path, monkeypatch):
 
 def test_invalid_route_settings_are_usage_errors(tiny_model):
     with pytest.raises(UsageError):
-        RouteConfig(mode="sideways")
+        Route(mode="sideways")
     with pytest.raises(UsageError):
-        RouteConfig(region=48)
+        Route(region=48)
     raw = RawContext(tiny_model, n_ctx=512)
     try:
         with pytest.raises(UsageError):  # smaller than the centroid block (16)
-            apply_route(raw.ctx, RouteConfig(region=8))
+            apply_route(raw.ctx, Route(region=8))
     finally:
         raw.close()
 
@@ -301,7 +301,7 @@ def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch)
 
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path))
     text = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(120))
-    route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0, keep=0)
+    route = Route(mode="geometric", top_k=2, region=64, shortlist=0, keep=0)
 
     def first_step(session):
         for event in session.ask("which value?", route=route, max_tokens=1, want_regions=True):
@@ -319,7 +319,7 @@ def test_centroid_block_is_chosen_per_session(tiny_model, tmp_path, monkeypatch)
     assert s64.load_document(text).cache_hit
     st64 = first_step(s64)
     with pytest.raises(UsageError, match="multiple of the centroid block"):
-        next(s64.ask("which value?", route=RouteConfig(region=32, shortlist=0), max_tokens=1))
+        next(s64.ask("which value?", route=Route(region=32, shortlist=0), max_tokens=1))
     s64.close()
     n_layer, n_head_kv, head_dim = 2, 2, 16
     n_reg = st64.n_kv // 64
@@ -336,7 +336,7 @@ def test_iswa_routes_the_full_attention_layers(iswa_model):
     raw = RawContext(iswa_model, n_ctx=2048)
     try:
         dense, routed, small = oracle_runs(raw, doc_tokens(8, seed=2))
-        [(_, win)] = decode_steps(raw, N_DOC, [5], RouteConfig(mode="window", top_k=3, region=64))
+        [(_, win)] = decode_steps(raw, N_DOC, [5], Route(mode="window", top_k=3, region=64))
     finally:
         raw.close()
     diff = max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, routed))
@@ -380,7 +380,7 @@ def test_iswa_dense_baseline_is_one_number_whatever_the_mode_or_history(iswa_mod
         try:
             assert session.load_document(text).cache_hit == (history == "restored")
             for mode in ("full", "geometric", "window"):
-                answer = session.answer("hello world?", route=RouteConfig(mode=mode, top_k=2, region=64), max_tokens=4)
+                answer = session.answer("hello world?", route=Route(mode=mode, top_k=2, region=64), max_tokens=4)
                 counts.add((mode, answer.rows_dense, answer.bytes_dense, answer.rows_read))
                 if mode == "full":
                     answers.add(answer.text)
@@ -401,8 +401,8 @@ def test_a_full_shortlist_selects_what_one_pass_selects(tiny_model):
     try:
         raw.decode(doc_tokens(N_DOC))
         steps = doc_tokens(4, seed=2)
-        one = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0, keep=0))
-        two = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=1000, keep=0))
+        one = decode_steps(raw, N_DOC, steps, Route(mode="geometric", top_k=3, region=64, shortlist=0, keep=0))
+        two = decode_steps(raw, N_DOC, steps, Route(mode="geometric", top_k=3, region=64, shortlist=1000, keep=0))
     finally:
         raw.close()
     for (la, a), (lb, b) in zip(one, two):
@@ -418,13 +418,13 @@ def test_a_tight_shortlist_follows_the_coarse_centroids(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048)
     try:
         raw.decode(doc_tokens(N_DOC))
-        two = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=3, keep=0))
+        two = decode_steps(raw, N_DOC, steps, Route(mode="geometric", top_k=3, region=64, shortlist=3, keep=0))
     finally:
         raw.close()
     raw = RawContext(tiny_model, n_ctx=2048, centroid_block=64)
     try:
         raw.decode(doc_tokens(N_DOC))
-        coarse = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=3, region=64, shortlist=0, keep=0))
+        coarse = decode_steps(raw, N_DOC, steps, Route(mode="geometric", top_k=3, region=64, shortlist=0, keep=0))
     finally:
         raw.close()
     for (_, a), (_, b) in zip(two, coarse):
@@ -439,11 +439,11 @@ def test_selection_memory_is_forgotten_when_the_question_is_rewound(tiny_model):
     try:
         raw.decode(doc_tokens(N_DOC))
         steps = doc_tokens(8, seed=3)
-        kept = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=8, keep=0.999, pin=0)
+        kept = Route(mode="geometric", top_k=2, region=64, shortlist=8, keep=0.999, pin=0)
         first = decode_steps(raw, N_DOC, steps, kept)
         again = decode_steps(raw, N_DOC, steps, kept)
-        fresh = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=2, region=64, shortlist=8, keep=0))
-        one_pass = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=2, region=64, shortlist=0,
+        fresh = decode_steps(raw, N_DOC, steps, Route(mode="geometric", top_k=2, region=64, shortlist=8, keep=0))
+        one_pass = decode_steps(raw, N_DOC, steps, Route(mode="geometric", top_k=2, region=64, shortlist=0,
                                                                  keep=0.95))
     finally:
         raw.close()
@@ -466,8 +466,8 @@ def test_all_regions_with_memory_reproduce_dense(tiny_model, shortlist):
     try:
         raw.decode(doc_tokens(N_DOC))
         steps = doc_tokens(5, seed=1)
-        dense = decode_steps(raw, N_DOC, steps, RouteConfig(mode="full"))
-        routed = decode_steps(raw, N_DOC, steps, RouteConfig(mode="geometric", top_k=1000, region=64,
+        dense = decode_steps(raw, N_DOC, steps, Route(mode="full"))
+        routed = decode_steps(raw, N_DOC, steps, Route(mode="geometric", top_k=1000, region=64,
                                                               shortlist=shortlist, keep=0.9))
     finally:
         raw.close()
@@ -487,7 +487,7 @@ def test_selection_memory_lasts_through_the_sessions_steps(tiny_model, tmp_path,
     session.load_document(text, use_cache=False)
 
     def regions(keep):
-        route = RouteConfig(mode="geometric", top_k=2, region=64, shortlist=8, keep=keep)
+        route = Route(mode="geometric", top_k=2, region=64, shortlist=8, keep=keep)
         steps = [e.stats for e in session.ask("which value is it?", route=route, max_tokens=6, want_regions=True)
                  if getattr(e, "stats", None) is not None]
         return [np.sort(s.regions, axis=-1) for s in steps]
@@ -504,7 +504,7 @@ def test_selection_memory_lasts_through_the_sessions_steps(tiny_model, tmp_path,
 # -- a ubatch of several tokens (the question read at once, patch 0007) --------------------------------
 
 
-def decode_batch(raw: RawContext, n_prefix: int, tokens: list[int], route: RouteConfig, batch_top_k: int):
+def decode_batch(raw: RawContext, n_prefix: int, tokens: list[int], route: Route, batch_top_k: int):
     """Rewind to the prefix, set the route, decode `tokens` as one ubatch: the last logits and the stats."""
     m = llama_cpp()
     m.llama_memory_seq_rm(m.llama_get_memory(raw.ctx), 0, n_prefix, -1)
@@ -518,10 +518,10 @@ def decode_batch(raw: RawContext, n_prefix: int, tokens: list[int], route: Route
 def test_a_routed_batch_of_every_region_reproduces_the_dense_batch(tiny_model, shortlist):
     raw = RawContext(tiny_model, n_ctx=2048)
     batch = doc_tokens(20, seed=2)
-    route = RouteConfig(mode="geometric", top_k=1, region=64, shortlist=shortlist, pin=0)
+    route = Route(mode="geometric", top_k=1, region=64, shortlist=shortlist, pin=0)
     try:
         raw.decode(doc_tokens(N_DOC))
-        dense, dense_st = decode_batch(raw, N_DOC, batch, RouteConfig(mode="full"), 0)
+        dense, dense_st = decode_batch(raw, N_DOC, batch, Route(mode="full"), 0)
         kept, kept_st = decode_batch(raw, N_DOC, batch, route, 0)  # top_k_batch 0: the batch reads densely
         every, every_st = decode_batch(raw, N_DOC, batch, route, 1000)
         one, one_st = decode_batch(raw, N_DOC, batch, route, 1)
@@ -547,7 +547,7 @@ def test_a_window_batch_reads_the_window_before_its_first_token(tiny_model):
     batch = doc_tokens(100, seed=4)
     try:
         raw.decode(doc_tokens(N_DOC))
-        route = RouteConfig(mode="window", top_k=1, region=64, window=64, sinks=64)
+        route = Route(mode="window", top_k=1, region=64, window=64, sinks=64)
         _, st = decode_batch(raw, N_DOC, batch, route, 2)
     finally:
         raw.close()
@@ -567,7 +567,7 @@ def test_a_routed_batch_uses_gpu_ops_only(tiny_model):
     raw = RawContext(tiny_model, n_ctx=2048, recorder=rec)
     try:
         raw.decode(doc_tokens(700))
-        apply_route(raw.ctx, RouteConfig(mode="geometric", top_k=2, region=64), batch_top_k=3)
+        apply_route(raw.ctx, Route(mode="geometric", top_k=2, region=64), batch_top_k=3)
         rec.recording = True
         raw.decode(doc_tokens(9, seed=5))
         rec.recording = False

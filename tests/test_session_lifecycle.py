@@ -6,12 +6,12 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
 from kvlocal.session import AnswerPiece, Session  # noqa: E402
 
 TEXT_A = " ".join(f"entry {i}: value {i * 7 % 101}." for i in range(60))
 TEXT_B = " ".join(f"line {i} says {i * 13 % 97} apples." for i in range(60))
-ROUTE = RouteConfig(mode="geometric", top_k=2, region=64)
+ROUTE = Route(mode="geometric", top_k=2, region=64)
 
 
 def answer(session: Session, question: str) -> str:
@@ -76,7 +76,7 @@ def test_the_question_pass_decides_how_the_question_reads_the_document(cache, ti
     session = Session(str(tiny_model), threads=2)
 
     def run(question_pass):
-        route = RouteConfig(mode="geometric", top_k=2, region=64, question=question_pass, question_top_k=3, pin=0)
+        route = Route(mode="geometric", top_k=2, region=64, question=question_pass, question_top_k=3, pin=0)
         answer = session.ask("which value?", route=route, max_tokens=4)
         answer_steps = [piece.stats for piece in answer if piece.stats is not None]
         summary = answer.summary()

@@ -19,7 +19,7 @@ from textual.widgets import Input, Static
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary
 from kvlocal.errors import CancelledError, ModelError, UsageError
 from kvlocal.route_settings import DEFAULT_TOP_K as K, UNCALIBRATED_ROUTE
-from kvlocal.routing import PrefillConfig, ReadStats, RouteConfig, RouteMode
+from kvlocal.routing import PrefillConfig, ReadStats, Route, RouteMode
 from kvlocal.session import LoadResult, PrefillProgress, Session
 from kvlocal.tui.answer_log import Notice
 from kvlocal.tui.app import KvlocalApp
@@ -50,7 +50,7 @@ class FakeSession:
         self.n_prefix = 0
         self.n_documents = 1  # documents the loaded prefix holds (Session.n_documents)
         self.saved: set[str] = set()
-        self.asked: list[tuple[str, RouteConfig]] = []
+        self.asked: list[tuple[str, Route]] = []
         self.prefills: list[PrefillConfig] = []
         self.calibrated_route = UNCALIBRATED_ROUTE  # the tiny models' route (Session.calibrated_route)
 
@@ -89,7 +89,7 @@ class FakeSession:
     def _decode(self, question, route, max_tokens, cancel):
         if not self.n_prefix:
             raise UsageError("no document is loaded")
-        route = route or RouteConfig()
+        route = self.route_for(route)  # resolved as the session resolves it (without the question's hints)
         self.asked.append((question, route))
         R = route.region
         self.tokens = self.tokens[: self.n_prefix] + question.split()

@@ -59,11 +59,11 @@ def test_question_pass_settings_are_validated_and_described():
     with pytest.raises(UsageError, match="regions a routed question reads") as info:
         routing.RouteConfig(question_top_k=-1)
     assert info.value.setting == "question_top_k"
-    assert routing.RouteConfig(question="routed", question_top_k=7).question_batch_top_k == 7
-    assert routing.RouteConfig(question="dense", question_top_k=7).question_batch_top_k == 0
-    assert "one dense pass" in routing.RouteConfig(question="dense").describe()
-    assert "top-7 regions" in routing.RouteConfig(question="routed", question_top_k=7).describe()
-    assert "token by token" in routing.RouteConfig(question="steps").describe()
+    assert routing.Route(question="routed", question_top_k=7).question_batch_top_k == 7
+    assert routing.Route(question="dense", question_top_k=7).question_batch_top_k == 0
+    assert "one dense pass" in routing.Route(question="dense").describe()
+    assert "top-7 regions" in routing.Route(question="routed", question_top_k=7).describe()
+    assert "token by token" in routing.Route(question="steps").describe()
 
 
 def test_eval_rows_before_the_question_pass_read_it_step_by_step():

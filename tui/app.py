@@ -27,7 +27,8 @@ from textual.widgets import Footer, Header, Input, OptionList
 from kvlocal.errors import CancelledError, KvlocalError
 from kvlocal.units import human_seconds
 from kvlocal.route_settings import DEFAULT_MODE, MODES
-from kvlocal.routing import PrefillConfig, RouteConfig
+from kvlocal.route_settings import UNCALIBRATED_ROUTE
+from kvlocal.routing import DEFAULT_ROUTE, PrefillConfig, Route, RouteConfig, resolve_route
 from kvlocal.tui.answer_log import AnswerEntry, AnswerLog, route_label
 from kvlocal.tui.counters import ReadCounters
 from kvlocal.tui.file_picker import FilePicker
@@ -116,7 +117,7 @@ class KvlocalApp(App[None]):
         model: str | None = None,
         threads: int | None = None,
         session_factory: SessionFactory | None = None,
-        route: RouteConfig | None = None,
+        route: RouteConfig | Route | None = None,
         prefill: PrefillConfig | None = None,
         max_tokens: int = 256,
         handle_sigint: bool = False,
@@ -135,7 +136,7 @@ class KvlocalApp(App[None]):
         self.session: Any = None
         self.document: LoadedDocument | None = None
         # the defaults: a set of documents takes its own route, and the model its calibrated budget
-        self.route = route or RouteConfig(follows_set=True, follows_model=True)
+        self.route = route or DEFAULT_ROUTE
         self.prefill = prefill or PrefillConfig()
         self.max_tokens = max_tokens
         self.busy: str | None = None  # "load" or "answer" while a worker runs
@@ -211,13 +212,12 @@ class KvlocalApp(App[None]):
     def counters(self) -> ReadCounters:
         return self.query_one("#counters", ReadCounters)
 
-    def _route_for_documents(self) -> RouteConfig:
-        """The route the next answer takes: a set of several documents has its own unless it was tuned, and
-        the model's calibrated budget where the route follows the model."""
+    def _route_for_documents(self) -> Route:
+        """The route the next answer takes, before the question (Session.route_for): a set of several
+        documents has its own unless it was tuned, and the model its calibrated budget where the route
+        follows the model."""
         if self.session is None:
-            return self.route
-        if self.document is None:
-            return self.route.for_model(self.session.calibrated_route)
+            return resolve_route(self.route, UNCALIBRATED_ROUTE)
         return self.session.route_for(self.route)
 
     def _update_route_title(self) -> None:
@@ -515,13 +515,13 @@ class KvlocalApp(App[None]):
         self.counters.show_idle("decoding the question…")
         self.busy = "answer"
         self._cancel = threading.Event()
-        self._ask_worker(self.session, question, route, self.live, entry_id, self._cancel, tally)
+        self._ask_worker(self.session, question, self.route, self.live, entry_id, self._cancel, tally)
         if self._drain_timer is not None:
             self._drain_timer.resume()
         return True
 
     @work(thread=True, group="engine", exit_on_error=False)
-    def _ask_worker(self, session, question: str, route: RouteConfig, live: LiveAnswer, entry_id: int, cancel,
+    def _ask_worker(self, session, question: str, route: RouteConfig | Route, live: LiveAnswer, entry_id: int, cancel,
                     tally=None) -> None:
         """`tally`: a set's SetReads (kvlocal.library), counting each step's reads by document."""
         try:
@@ -727,7 +727,7 @@ class KvlocalApp(App[None]):
         else:
             smaller = [s for s in TOP_K_STEPS if s < k]
             k = smaller[-1] if smaller else k
-        self.route = replace(self._route_for_documents(), top_k=k, follows_set=False, unhinted=None)
+        self.route = replace(self._route_for_documents(), top_k=k)  # tuned: taken as it is
         self._route_changed()
 
     def _route_changed(self) -> None:

@@ -24,7 +24,7 @@ class DecodeRun:
     seconds: float
     bytes_read: int
     bytes_dense: int
-    route: str = ""  # the route the answer took (a set of documents may take its own: RouteConfig.for_set)
+    route: str = ""  # the route the answer took (a set of documents may take its own: routing.resolve_route)
 
     @property
     def rate(self) -> float:

@@ -26,7 +26,7 @@ from kvlocal.evals.tasks import score
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.library import load_set
 from kvlocal.route_settings import UNCALIBRATED_ROUTE, ModelRoute
-from kvlocal.routing import RouteConfig
+from kvlocal.routing import Route, RouteConfig, RouteFacts, resolve_route
 from kvlocal.session import Session
 
 SET, ALONE, CONCAT = "set", "alone", "concat"
@@ -49,10 +49,11 @@ class LibraryConfig:
     paraphrase: bool = False  # ask each fact in other words (the documents stay the same)
     calibrated: ModelRoute = UNCALIBRATED_ROUTE  # the model's route (run_library sets the session's)
 
-    def route_of(self, mode: str, n_documents: int = 1) -> RouteConfig:
-        """`mode`'s route over `n_documents` documents (a set's own route where the settings follow the set,
-        the model's calibrated budget where they follow the model)."""
-        route = replace(self.route, mode=mode).for_set(n_documents).for_model(self.calibrated)
+    def route_of(self, mode: str, n_documents: int = 1) -> Route:
+        """`mode`'s route over `n_documents` documents as a row records it (a set's own route where the
+        settings follow the set, the model's calibrated budget where they follow the model); the answer
+        is asked with the settings themselves (a set's question without hints takes another route)."""
+        route = resolve_route(replace(self.route, mode=mode), self.calibrated, RouteFacts(n_documents))
         return replace(route, pin=route.pins, hints=route.hinted)
 
     @property
@@ -110,7 +111,7 @@ def run_library(
                 "layout_asked": config.layout or "auto",
                 "questions": "paraphrased" if config.paraphrase else "template"}
 
-        def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, RouteConfig]]:
+        def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, Route]]:
             n_documents = 1 if reference == ALONE else config.n_documents  # the concatenation: the set's route
             return [(i, route) for i in probes for route in (config.route_of(m, n_documents) for m in modes)
                     if answer_key({**base, **_route_fields(route), "probe": i, "reference": reference,
@@ -183,16 +184,18 @@ def _load_set(session: Session, case: SetCase, config: LibraryConfig, base: dict
     return {"layout": result.layout, "n_tokens": result.n_cells, "n_positions": result.n_positions}
 
 
-def _route_fields(route: RouteConfig) -> dict:
+def _route_fields(route: Route) -> dict:
     """The route's part of an answer row, and of the key a rerun finds it by: its settings and hint rule."""
     return {**route_fields(route), "hint_rule": HINT_RULE if route.hinted else ""}
 
 
-def _ask(session: Session, case: SetCase, index: int, route: RouteConfig, config: LibraryConfig, base: dict,
+def _ask(session: Session, case: SetCase, index: int, route: Route, config: LibraryConfig, base: dict,
          log) -> dict:
     probe = case.probes[index]
     fact_document = case.probe_document[index]
-    answer = session.ask(probe.question, route=route, max_tokens=config.answer_tokens, want_regions=True)
+    n_documents = 1 if base["reference"] == ALONE else config.n_documents  # the concatenation: the set's route
+    answer = session.ask(probe.question, route=replace(config.route, mode=route.mode), n_documents=n_documents,
+                         max_tokens=config.answer_tokens, want_regions=True)
     tally = session.read_tally()
     for piece in answer:
         tally.add(piece.stats)

@@ -17,7 +17,7 @@ from kvlocal.errors import UsageError
 from kvlocal.evals.tasks import Case, build_case, score
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.route_settings import MODES
-from kvlocal.routing import PrefillConfig, RouteConfig
+from kvlocal.routing import PrefillConfig, Route, RouteConfig
 from kvlocal.session import ANSWER_RESERVE, Session
 
 
@@ -34,12 +34,13 @@ class GridConfig:
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     modes: list[str] = field(default_factory=lambda: list(MODES))
     seeds: list[int] = field(default_factory=lambda: [0])
-    route: RouteConfig = field(default_factory=RouteConfig)  # the settings of every mode's route (its mode unused)
+    # the settings of every mode's route (its mode unused); run_grid resolves them for the model
+    route: RouteConfig | Route = field(default_factory=RouteConfig)
     sweep: list[int] = field(default_factory=list)  # extra geometric budgets (top-k values)
     max_tokens: int | None = None  # None: ANSWER_TOKENS[task]
     prefill: PrefillConfig = field(default_factory=PrefillConfig)  # how the haystacks are prefilled
 
-    def routes(self) -> Iterator[RouteConfig]:
+    def routes(self) -> Iterator[Route]:
         for mode in self.modes:
             yield self.route_of(mode, self.route.top_k)
         if "geometric" in self.modes:
@@ -47,7 +48,7 @@ class GridConfig:
                 if k != self.route.top_k:
                     yield self.route_of("geometric", k)
 
-    def route_of(self, mode: str, top_k: int) -> RouteConfig:
+    def route_of(self, mode: str, top_k: int) -> Route:
         route = replace(self.route, mode=mode, top_k=top_k)
         # rows record the pins and hints that acted (0 for the controls)
         return replace(route, pin=route.pins, hints=route.hinted)
@@ -98,10 +99,10 @@ def answer_tokens(config: GridConfig, task: str) -> int:
 BLOCK_BEFORE_RECORDED = 16
 
 
-def route_fields(route: RouteConfig) -> dict:
-    """A route's settings as a result row holds them (not its seed, nor how it follows a set: a set's
-    rows hold the route it resolved to)."""
-    return {k: v for k, v in asdict(route).items() if k not in ("seed", "follows_set", "follows_model", "unhinted")}
+def route_fields(route: Route) -> dict:
+    """A resolved route's settings as a result row holds them (not its seed, nor the question's hinted
+    cells: a row holds those apart)."""
+    return {k: v for k, v in asdict(route).items() if k not in ("seed", "hint_cells")}
 
 
 def block(row: dict) -> int:
@@ -196,7 +197,7 @@ def run_grid(
 ) -> list[dict]:
     """Run every cell not yet in `out`; returns all rows (old and new)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    config = replace(config, route=config.route.for_model(session.calibrated_route))  # rows record the budget read
+    config = replace(config, route=session.route_for(config.route))  # rows record the budget read
     rows = load_rows(out)
     done = {row_key(r) for r in rows}
     prefill_tag = session.prefill_tag(config.prefill)

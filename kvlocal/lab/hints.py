@@ -2,7 +2,7 @@
 
 For each fact of a `kvlocal eval library` set: the cells the question's words hint
 (kvlocal/hints.py), the regions a hinted step reads for them (the session raises top-k to their
-number: RouteConfig.reading_hints), whether they lie in the fact's document and whether they hold the
+number: kvlocal.routing.resolve_route), whether they lie in the fact's document and whether they hold the
 asked code whole. Nothing is prefilled or decoded: it checks the text side of the selection on many
 sets, fact shapes and fillers in seconds. Whether the model then copies the code it reads is what
 `kvlocal eval library` measures.
@@ -53,7 +53,7 @@ def hint_coverage(pieces: Sequence[bytes], starts: Sequence[int], n_body: Sequen
             "in_document": bool(anchors) and document_of(anchors[0]) == d,
             # the hinted regions hold every cell of the code (what a hinted step reads of the fact)
             "code_read": bool(code_regions) and code_regions <= read,
-            # the first hinted word's region alone holds it (all a top-1 step read before reading_hints)
+            # the first hinted word's region alone holds it (all a top-1 step read before top-k was raised to the hinted regions)
             "code_in_first_region": bool(anchors) and bool(code_regions) and code_regions == {anchors[0] // region},
         })
     return rows
