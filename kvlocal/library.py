@@ -34,11 +34,11 @@ from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, Mo
 from kvlocal.ingest import Document
 from kvlocal.layout import DocumentLayout, DocumentSpan
 from kvlocal.prompt import Segment
-from kvlocal.route_settings import MAX_REGION
+from kvlocal.route_settings import SET_LAYOUT_UNIT
 from kvlocal.routing import PrefillConfig
 from kvlocal.session import ANSWER_RESERVE, CTX_ROUND, LoadResult, PrefillProgress, Session
 
-LAYOUT_UNIT = MAX_REGION  # cells the head and each body are padded to: every body starts on a region boundary
+LAYOUT_UNIT = SET_LAYOUT_UNIT  # cells the head and each body are padded to: every body starts on a region boundary
 LAYOUT_TAG = f"library-u{LAYOUT_UNIT}"  # a body state's prefill tag (the key's layout)
 QUESTION_SEQ, STAGING_SEQ = 0, 1
 PAD_TEXT = "\n"  # the filler a head or body is padded with (one token)

@@ -208,3 +208,4 @@ MAX_ANSWER_TOKENS = MAX_CTX  # --max-tokens, bench --tokens: an answer cannot ou
 # -- sizes the engine and the session fix (read by the KV estimate before any engine work) -----------
 ANSWER_RESERVE = 768  # context tokens a session keeps free for a question and its answer
 COARSE_BLOCK = 64  # cells per coarse centroid: the engine's LLAMA_KV_CENT_COARSE_BLK (patches/0003)
+SET_LAYOUT_UNIT = 64  # cells a set's head and each body are padded to: a set's regions are at most this long

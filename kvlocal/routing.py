@@ -12,6 +12,7 @@ import numpy as np
 
 from kvlocal.errors import UsageError
 from kvlocal.route_settings import (
+    SET_LAYOUT_UNIT,
     ATTENTION_PATHS,
     CENTROID_BLOCKS,
     CENTROID_TYPES,
@@ -321,6 +322,9 @@ def resolve_route(asked: RouteConfig | Route, calibrated: ModelRoute, facts: Rou
         route, unhinted = asked, None
     else:
         route, unhinted = _asked_route(asked, calibrated, facts.n_documents)
+    if facts.n_documents > 1 and route.region > SET_LAYOUT_UNIT:
+        raise UsageError(f"a set of documents is laid out in {SET_LAYOUT_UNIT}-cell units, so its regions are at most "
+                         f"{SET_LAYOUT_UNIT} tokens (got --region {route.region})", setting="region")
     if facts.find_hints is not None:
         skip = -(-route.sinks // route.region)
         cells = tuple(facts.find_hints(route.hinted, route.region, skip)) if route.hinted else ()
