@@ -488,6 +488,7 @@ def eval_(
     references: Annotated[str, typer.Option("--references", rich_help_panel=LIBRARY, help="What else the --library facts are asked of: alone (each fact of its own document, from its cached state), concat (the set prefilled as one document, where it fits the trained context; 32k: ~30 min on 2 cores), none.")] = "alone",
     layout: Annotated[str, typer.Option("--layout", rich_help_panel=LIBRARY, help="A --library set's positions: auto (consecutive while the set fits the trained context, else parallel), consecutive or parallel.")] = "auto",
     paraphrase: ParaphraseOpt = False,
+    suite: Annotated[str, typer.Option("--suite", help="needles (the grid), or ruler: RULER's 13 tasks (--tasks all or names; --seeds: sample indices), see docs/experiments/ruler.md.")] = "needles",
 ) -> None:
     """Needle grid and RULER-style tasks: accuracy and KV reads of every routing mode, on the same prefilled haystacks.
 
@@ -501,6 +502,14 @@ def eval_(
     from kvlocal.evals.tasks import TASKS
     from kvlocal.ingest import load_document
 
+    if suite != "needles":
+        from kvlocal.evals.ruler_runner import RulerConfig, eval_command, parse_tasks
+
+        config = RulerConfig(_lengths(lengths), parse_tasks(tasks), _ints(seeds), [m.strip() for m in modes.split(",")],
+                             routing.config(DEFAULT_MODE), max_tokens)
+        eval_command(suite, config, out, lambda: _open_session(model, None, threads, "f16", routing.centroid_block,
+                                                                routing.centroid_type), lambda line: err(f"kvlocal: {line}"))
+        return
     if library.strip():
         if quick:
             raise UsageError("--quick is the needle grid's check; leave out --library")

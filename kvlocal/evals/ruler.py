@@ -44,6 +44,7 @@ TASK_NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_
 _SUPPLIED_IMPORTS = {"tqdm", "nltk.tokenize", "tokenizer", "long_context_eval.data.tokenizer",
                      "long_context_eval.pred.nemo_utils", "constants",
                      "scipy.special"}
+MAX_RETRIES = 1000  # a generator's retries of one sample with ever smaller haystacks before it is stopped
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
 
 
@@ -133,8 +134,20 @@ def _load(path: Path, names: dict, argv: list[str] | None = None) -> dict:
     for node in tree.body:
         if isinstance(node, ast.Assign) and ast.unparse(node.value) == "parser.parse_args()":
             node.value.args = [ast.Name("ARGV", ast.Load())]
+    retries = 0
+
+    def retried() -> None:
+        # a sample that does not fit even the smallest haystack is retried forever by the generators
+        nonlocal retries
+        retries += 1
+        if retries > MAX_RETRIES:
+            raise UsageError(f"RULER's {path.stem} cannot fit a sample into the tokens asked; a longer length would")
+
+    for handler in ast.walk(tree):
+        if isinstance(handler, ast.ExceptHandler) and handler.type is None:  # the generators' retry loops
+            handler.body.append(ast.Expr(ast.Call(ast.Name("RETRIED", ast.Load()), [], [])))
     namespace = {"__file__": str(path), "__name__": "ruler_generator", "ARGV": argv, "print": lambda *a, **k: None,
-                 **names}
+                 "RETRIED": retried, **names}
     exec(compile(ast.fix_missing_locations(tree), str(path), "exec"), namespace)  # noqa: S102 - the pinned package's code
     return namespace
 
