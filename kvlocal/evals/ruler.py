@@ -93,7 +93,9 @@ def _zeta(s: float, terms: int = 16) -> float:
     """The Riemann zeta function for real s > 1 (Euler-Maclaurin, to about 1e-12)."""
     head = sum(k ** -s for k in range(1, terms))
     n = float(terms)
-    return head + n ** (1 - s) / (s - 1) + n ** -s / 2 + s * n ** (-s - 1) / 12 - s * (s + 1) * (s + 2) * n ** (-s - 3) / 720
+    rising = s * (s + 1) * (s + 2)
+    return (head + n ** (1 - s) / (s - 1) + n ** -s / 2 + s * n ** (-s - 1) / 12 - rising * n ** (-s - 3) / 720
+            + rising * (s + 3) * (s + 4) * n ** (-s - 5) / 30240)
 
 
 def _sentences(text: str) -> list[str]:
