@@ -502,14 +502,12 @@ def eval_(
     from kvlocal.evals.tasks import TASKS
     from kvlocal.ingest import load_document
 
-    if suite != "needles":
-        from kvlocal.evals.ruler_runner import RulerConfig, eval_command, parse_tasks
+    if suite != "needles":  # kvlocal/evals/ruler_runner.py
+        from kvlocal.evals.ruler_runner import eval_command
 
-        config = RulerConfig(_lengths(lengths), parse_tasks(tasks), _ints(seeds), [m.strip() for m in modes.split(",")],
-                             routing.config(DEFAULT_MODE), max_tokens)
-        eval_command(suite, config, out, lambda: _open_session(model, None, threads, "f16", routing.centroid_block,
-                                                                routing.centroid_type), lambda line: err(f"kvlocal: {line}"))
-        return
+        return eval_command(suite, _lengths(lengths), tasks, _ints(seeds), modes, routing.config(DEFAULT_MODE), max_tokens,
+                            out, lambda: _open_session(model, None, threads, "f16", routing.centroid_block,
+                                                       routing.centroid_type), lambda line: err(f"kvlocal: {line}"))
     if library.strip():
         if quick:
             raise UsageError("--quick is the needle grid's check; leave out --library")

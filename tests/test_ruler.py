@@ -80,7 +80,8 @@ def count_tokens(tiny_model):
 def test_generation_is_seeded_and_fills_the_budget(count_tokens, task):
     first = ruler.generate(task, 2048, 2, count_tokens, budget=1900)
     assert first == ruler.generate(task, 2048, 2, count_tokens, budget=1900)
-    assert first != ruler.generate(task, 2048, 2, count_tokens, budget=1900, seed=7)
+    if task == "fwe":  # another seed, other samples (niah's word list takes seconds to build: once is enough)
+        assert first != ruler.generate(task, 2048, 2, count_tokens, budget=1900, seed=7)
     assert [s.index for s in first] == [0, 1] and first[0] != first[1]
     for sample in first:
         tokens = count_tokens(sample.text) + sample.max_tokens

@@ -133,13 +133,16 @@ def parse_tasks(text: str) -> list[str]:
     return names
 
 
-def eval_command(suite: str, config: RulerConfig, out: Path, open_session: Callable[[], Session],
+def eval_command(suite: str, lengths: list[int], tasks: str, samples: list[int], modes: str, route: RouteConfig,
+                 max_tokens: int | None, out: Path, open_session: Callable[[], Session],
                  log: Callable[[str], None]) -> None:
     """The suite's part of `kvlocal eval`: checks, runs, writes the rows and prints the table."""
     from kvlocal.evals import report
 
     if suite != SUITE:
         raise UsageError(f"--suite: {suite!r}; choose needles or ruler")
+    config = RulerConfig(lengths, parse_tasks(tasks), samples, [m.strip() for m in modes.split(",") if m.strip()],
+                         route, max_tokens)
     unknown = [m for m in config.modes if m not in MODES]
     if unknown or not config.modes:
         raise UsageError(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(MODES)}")
