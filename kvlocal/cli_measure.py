@@ -193,6 +193,28 @@ def eval_quick(
     err("kvlocal: check passed: geometric matches full; window and random fall below on needles outside the window")
 
 
+@eval_app.command("ruler")
+@handles_errors
+@option_groups
+def eval_ruler(
+    lengths: LengthsOpt = "4k",
+    tasks: TasksOpt = "all",
+    modes: ModesOpt = ",".join(MODES),
+    seeds: SeedsOpt = "0",
+    out: OutOpt = Path("kvlocal-eval"),
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    threads: ThreadsOpt = None,
+    routing: RouteOptions = RouteOptions(),
+) -> None:
+    """RULER's 13 tasks (--tasks all or names; --seeds: sample indices), generated offline: per-task and average scores of every mode on the same prefilled samples (docs/experiments/ruler.md)."""
+    from kvlocal.evals.ruler_runner import SUITE, eval_command
+
+    eval_command(SUITE, parse_lengths(lengths), tasks, parse_seeds(seeds), modes, routing.config(DEFAULT_MODE),
+                 max_tokens, out, lambda: common.open_session(model, None, threads, "f16", routing.centroid_block,
+                                                              routing.centroid_type), _log)
+
+
 def _library_sizes(sizes: str, facts_per_doc: int) -> list[int]:
     from kvlocal.evals.library_cases import max_documents
 

@@ -59,6 +59,7 @@ class PromptParts:
     suffix: str
     template_hash: str
     stops: tuple[str, ...] = ()  # answer text that ends the answer (a completion prompt has no end-of-turn token)
+    answer_prefix: str = ""  # plain text that opens the model's turn (a benchmark's answer prefix), answered on from there
 
     @property
     def prefix(self) -> str:
@@ -68,7 +69,8 @@ class PromptParts:
         return [Segment(self.head, True), Segment(self.document, False), Segment(self.middle, True)]
 
     def question_segments(self, question: str) -> list[Segment]:
-        return [Segment(question.strip(), False), Segment(self.suffix, True)]
+        segments = [Segment(question.strip(), False), Segment(self.suffix, True)]
+        return segments + [Segment(self.answer_prefix, False)] if self.answer_prefix else segments
 
 
 class _TemplateRefused(Exception):

@@ -645,3 +645,44 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- RULER (`kvlocal eval ruler`) ----------------------------------------------------------
+
+
+def ruler_markdown(rows: list[dict]) -> str:
+    """Per length: RULER's score per task and route (mean of its per-sample metric, n and 95 % Wilson
+    interval), the average over tasks, and the KV bytes each route's answer steps read (dense over read,
+    mean over rows). A sample asked twice of a route counts once (the later row)."""
+    latest = {(r["length"], r["task"], r["probe"], route_label(r)): r for r in rows}
+    lines = []
+    for length, group in sorted(_group(list(latest.values()), "length").items()):
+        labels = sorted({route_label(r) for r in group}, key=lambda lab: _mode_rank(lab.split()[0]))
+        by = _group(group, "task")
+        lines += [f"RULER at {length[0]:,} tokens (score: RULER's metric, n and 95 % interval)", "",
+                  "| task | " + " | ".join(labels) + " |",
+                  "|---|" + "---:|" * len(labels)]
+        for (task,) in sorted(by):
+            cells = [_ruler_cell([r for r in by[(task,)] if route_label(r) == lab]) for lab in labels]
+            lines.append(f"| {task} | " + " | ".join(cells) + " |")
+        per_route = [[r for r in group if route_label(r) == lab] for lab in labels]
+        lines.append("| **average** | " + " | ".join(_ruler_average(rs) for rs in per_route) + " |")
+        lines.append("| KV bytes per answer step | " + " | ".join(
+            f"{mean(answer_reduction(r) for r in rs):.1f}x fewer" if rs else "–" for rs in per_route) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ruler_cell(rows: list[dict]) -> str:
+    cell = _accuracy(rows)
+    return _accuracy_text(cell["accuracy"], cell["accuracy_ci"], cell["n"])
+
+
+def _ruler_average(rows: list[dict]) -> str:
+    """The mean over tasks of each task's mean score; its interval is the pooled rows' (the same mean
+    where every task has the same n)."""
+    if not rows:
+        return "–"
+    tasks = _group(rows, "task")
+    score = mean(mean(r["score"] for r in rs) for rs in tasks.values())
+    return _accuracy_text(score, wilson_interval(score, len(rows)), len(rows))

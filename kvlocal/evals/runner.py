@@ -247,6 +247,11 @@ def _load(session: Session, case: Case, length: int, seed: int, prefill: Prefill
     if result.reads and prefill.routed:
         how += f", {result.reads.reduction:.1f}x fewer attention bytes"
     log(f"haystack {case.task} {length} seed {seed}: {result.n_tokens:,} tokens, {how} ({time.perf_counter() - start:.1f} s)")
+    return loaded_fields(result, prefill_tag)
+
+
+def loaded_fields(result, prefill_tag: str) -> dict:
+    """What the rows answered on a loaded document record of its load (a LoadResult)."""
     return {"n_tokens": result.n_tokens, "cache_hit": result.cache_hit,
             "prefill_tps": None if result.cache_hit else result.rate,
             "prefill_reduction": result.reads.reduction if result.reads else None,
@@ -263,6 +268,17 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "probe": index,
         "depth": probe.depth,
         "haystack": haystack_name,
+        **answer_fields(session, route, summary, loaded, max_tokens),
+        "score": score(probe, summary.text),
+        "answer": summary.text.strip(),
+        "expected": list(probe.answers),
+    }
+
+
+def answer_fields(session: Session, route: RouteConfig, summary, loaded: dict, max_tokens: int) -> dict:
+    """What a result row records of one answer: the route it took, what its steps read, the prefill it
+    answered on (`loaded`: see _load) and the model."""
+    return {
         **route_fields(route),
         "hint_rule": HINT_RULE if route.hints else "",
         "hint_cells": list(summary.hint_cells),
@@ -271,9 +287,6 @@ def _ask(session, case, index, probe, route, config, length, seed, haystack_name
         "centroid_type": session.centroid_type,
         "shortlist_used": summary.route.shortlist,  # an automatic shortlist as resolved for this document
         "max_tokens": max_tokens,
-        "score": score(probe, summary.text),
-        "answer": summary.text.strip(),
-        "expected": list(probe.answers),
         "n_tokens": loaded["n_tokens"],
         "prefill": loaded["prefill"],
         "prefill_tps": loaded["prefill_tps"],
