@@ -69,7 +69,6 @@ class AnswerSummary(ReadTotals):
     question_bytes_read: int = 0  # of bytes_read, what the question's tokens read
     question_bytes_dense: int = 0  # of bytes_dense, what they would have read densely
     region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> steps that read it
-    hint_cells: tuple[int, ...] = ()  # the cells whose regions the question's words hinted (route.hints)
     model_layers: int = 0  # the model's layers (more than `layers` in a hybrid model)
 
     def add(self, stats: ReadStats) -> None:
@@ -80,6 +79,11 @@ class AnswerSummary(ReadTotals):
                     continue
                 key = (int(layer), int(region))
                 self.region_reads[key] = self.region_reads.get(key, 0) + 1
+
+    @property
+    def hint_cells(self) -> tuple[int, ...]:
+        """The cells whose regions the question's words hinted (the resolved route's)."""
+        return self.route.hint_cells
 
     @property
     def answer_reduction(self) -> float:

@@ -208,11 +208,13 @@ def eval_ruler(
     routing: RouteOptions = RouteOptions(),
 ) -> None:
     """RULER's 13 tasks (--tasks all or names; --seeds: sample indices), generated offline: per-task and average scores of every mode on the same prefilled samples (docs/experiments/ruler.md)."""
-    from kvlocal.evals.ruler_runner import SUITE, eval_command
+    from kvlocal.evals.ruler_runner import RESULTS, eval_command
 
-    eval_command(SUITE, parse_lengths(lengths), tasks, parse_seeds(seeds), modes, routing.config(DEFAULT_MODE),
-                 max_tokens, out, lambda: common.open_session(model, None, threads, "f16", routing.centroid_block,
-                                                              routing.centroid_type), _log)
+    _check_out_folder(out, (RESULTS,))
+    lengths_list = parse_lengths(lengths)
+    eval_command(lengths_list, tasks, parse_seeds(seeds), modes, routing.config(DEFAULT_MODE), max_tokens, out,
+                 lambda: common.check_lengths_fit(common.open_session(model, None, threads, "f16", routing.centroid_block,
+                                                                      routing.centroid_type), lengths_list), _log)
 
 
 def _library_sizes(sizes: str, facts_per_doc: int) -> list[int]:

@@ -31,6 +31,7 @@ from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.patchset import repo_kv_state_id
 from kvlocal.prompt import PromptParts, Segment, build_prompt
 from kvlocal.route_settings import (
+    ANSWER_RESERVE,
     DEFAULT_CENTROID_BLOCK,
     LIBRARY_CENTROID_TYPE,
     MAX_THREADS,
@@ -42,8 +43,6 @@ from kvlocal.routing import (
     MODEL_ROUTE, PrefillConfig, ReadStats, Route, RouteConfig, RouteFacts, check_centroid_block, check_centroid_type,
     check_region_block, resolve_route,
 )
-
-from kvlocal.route_settings import ANSWER_RESERVE  # the KV estimate (docset) reads it there too
 
 CTX_ROUND = 256
 
@@ -608,8 +607,7 @@ class Session:
                     f"tokens of context left after the document; a larger context leaves more room", setting="ctx")
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
-            summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, hint_cells=route.hint_cells,
-                                    model_layers=self.n_layer)
+            summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, model_layers=self.n_layer)
             self._read_question(q_tokens, route, summary, want_regions)
             summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
             rng = np.random.default_rng(seed)

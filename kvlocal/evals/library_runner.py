@@ -49,6 +49,10 @@ class LibraryConfig:
     paraphrase: bool = False  # ask each fact in other words (the documents stay the same)
     calibrated: ModelRoute = UNCALIBRATED_ROUTE  # the model's route (run_library sets the session's)
 
+    def documents_of(self, reference: str) -> int:
+        """The documents a reference's answer is routed as: one alone; the set's, the concatenation too."""
+        return 1 if reference == ALONE else self.n_documents
+
     def route_of(self, mode: str, n_documents: int = 1) -> Route:
         """`mode`'s route over `n_documents` documents as a row records it (a set's own route where the
         settings follow the set, the model's calibrated budget where they follow the model); the answer
@@ -112,7 +116,7 @@ def run_library(
                 "questions": "paraphrased" if config.paraphrase else "template"}
 
         def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, Route]]:
-            n_documents = 1 if reference == ALONE else config.n_documents  # the concatenation: the set's route
+            n_documents = config.documents_of(reference)
             return [(i, route) for i in probes for route in (config.route_of(m, n_documents) for m in modes)
                     if answer_key({**base, **_route_fields(route), "probe": i, "reference": reference,
                                    # the set's context, or one document's (alone, or the concatenation)
@@ -193,7 +197,7 @@ def _ask(session: Session, case: SetCase, index: int, route: Route, config: Libr
          log) -> dict:
     probe = case.probes[index]
     fact_document = case.probe_document[index]
-    n_documents = 1 if base["reference"] == ALONE else config.n_documents  # the concatenation: the set's route
+    n_documents = config.documents_of(base["reference"])
     answer = session.ask(probe.question, route=replace(config.route, mode=route.mode), n_documents=n_documents,
                          max_tokens=config.answer_tokens, want_regions=True)
     tally = session.read_tally()

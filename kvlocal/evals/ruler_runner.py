@@ -122,9 +122,9 @@ def _ask(session: Session, sample: ruler.Sample, route: RouteConfig, length: int
 
 
 def parse_tasks(text: str) -> list[str]:
-    """--tasks for the suite: RULER's task names, or 'all' (the needle grid's default names none of them)."""
+    """--tasks: RULER's task names, or 'all'."""
     names = [t.strip() for t in text.split(",") if t.strip()]
-    if names in (["all"], ["passkey"]):
+    if names == ["all"]:
         return list(ruler.TASK_NAMES)
     unknown = [t for t in names if t not in ruler.TASK_NAMES]
     if unknown or not names:
@@ -133,14 +133,13 @@ def parse_tasks(text: str) -> list[str]:
     return names
 
 
-def eval_command(suite: str, lengths: list[int], tasks: str, samples: list[int], modes: str, route: RouteConfig,
+def eval_command(lengths: list[int], tasks: str, samples: list[int], modes: str, route: RouteConfig,
                  max_tokens: int | None, out: Path, open_session: Callable[[], Session],
                  log: Callable[[str], None]) -> None:
-    """The suite's part of `kvlocal eval`: checks, runs, writes the rows and prints the table."""
+    """`kvlocal eval ruler`: checks, runs, writes the rows and prints the table (`open_session` checks
+    the lengths against the model's trained context)."""
     from kvlocal.evals import report
 
-    if suite != SUITE:
-        raise UsageError(f"--suite: {suite!r}; choose needles or ruler")
     config = RulerConfig(lengths, parse_tasks(tasks), samples, [m.strip() for m in modes.split(",") if m.strip()],
                          route, max_tokens)
     unknown = [m for m in config.modes if m not in MODES]
@@ -148,13 +147,7 @@ def eval_command(suite: str, lengths: list[int], tasks: str, samples: list[int],
         raise UsageError(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(MODES)}")
     if not config.samples or min(config.samples) < 0:
         raise UsageError("--seeds: the RULER sample indices (0, 1, ...) to ask")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file; give a folder")
     ruler.task_configs()  # the package is installed (a clear error before the model loads)
     session = open_session()
-    too_long = [n for n in config.lengths if n > session.trained_ctx]
-    if too_long:
-        raise UsageError(f"--lengths {', '.join(map(str, too_long))} exceed the model's trained context "
-                         f"({session.trained_ctx:,})")
     rows = run_ruler(session, config, out / RESULTS, log)
     print(report.ruler_markdown([r for r in rows if r["length"] in config.lengths and r["task"] in config.tasks]))

@@ -23,17 +23,15 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvlocal.cli_options import RouteOptions
 from kvlocal.docset import text_digest
 from kvlocal.errors import CancelledError, KvlocalError
 from kvlocal.ingest import Document
 from kvlocal.layout import SetReads
 from kvlocal.library import check_set_fits, load_set
-from kvlocal.route_settings import DEFAULT_MODE
-from kvlocal.routing import ReadStats
+from kvlocal.routing import DEFAULT_ROUTE, ReadStats
 from kvlocal.serve.schemas import ApiError, api_error, usage
 from kvlocal.session import Session
 from kvlocal.units import human_bytes
@@ -213,7 +211,7 @@ class Worker:
     def _answer(self, job: Job) -> JobRecord:
         session = self.session
         tally = DocumentReads(session.read_tally())
-        route = RouteOptions().config(DEFAULT_MODE, job.seed)  # kvlocal ask's default route
+        route = replace(DEFAULT_ROUTE, seed=job.seed)  # kvlocal ask's default route
         answer = session.ask(job.question, route=route, max_tokens=job.max_tokens, temperature=job.temperature,
                              seed=job.seed, want_regions=True, cancel=job.cancel)
         try:
