@@ -29,6 +29,7 @@ from kvlocal.hints import TextIndex, hint_cells
 from kvlocal.layout import DocumentLayout, DocumentSpan, SetReads, page_starts, span_at
 from kvlocal.models import ResolvedModel, resolve_model
 from kvlocal.patchset import repo_kv_state_id
+from kvlocal.prefill_clock import PrefillClock
 from kvlocal.prompt import PromptParts, Segment, build_prompt
 from kvlocal.route_settings import (
     ANSWER_RESERVE,
@@ -53,6 +54,7 @@ class PrefillProgress:
     total: int
     elapsed: float
     prefill: str = "dense"  # PrefillConfig.mode
+    remaining: float | None = None  # seconds left as the prefill's clock predicts them (kvlocal.prefill_clock)
 
     @property
     def rate(self) -> float:
@@ -60,6 +62,8 @@ class PrefillProgress:
 
     @property
     def eta(self) -> float:
+        if self.remaining is not None:
+            return self.remaining
         return (self.total - self.done) / self.rate if self.rate > 0 else float("inf")
 
 
@@ -332,7 +336,7 @@ class Session:
     ) -> PrefillReads:
         context = self.context
         self._clear_kv()
-        start = time.perf_counter()
+        clock = PrefillClock()
         reads = PrefillReads()
         dense, routed = Route(mode="full"), prefill.route()
         if prefill.routed:
@@ -353,9 +357,9 @@ class Session:
                 stats = context.read_stats(with_regions=False)
                 if stats:
                     reads.add(stats)
+                elapsed = clock.mark(end)
                 if progress:
-                    progress(PrefillProgress(end, len(tokens), time.perf_counter() - start,
-                                             prefill.mode))
+                    progress(PrefillProgress(end, len(tokens), elapsed, prefill.mode, clock.eta(len(tokens))))
         except KeyboardInterrupt:
             self._clear_kv()
             raise CancelledError("interrupted: the document was not loaded and nothing was saved") from None
