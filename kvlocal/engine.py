@@ -140,6 +140,17 @@ class RouteParamsC(ctypes.Structure):
     ]
 
 
+# the rows and bytes a ubatch (or one sequence of it) read, as llama_kv_route_stats and
+# llama_kv_route_seq_stats end
+_READ_COUNTS = [
+    ("rows_read", ctypes.c_int64),
+    ("rows_dense", ctypes.c_int64),
+    ("bytes_kv", ctypes.c_int64),
+    ("bytes_meta", ctypes.c_int64),
+    ("bytes_dense", ctypes.c_int64),
+]
+
+
 class RouteStatsC(ctypes.Structure):
     """Mirror of struct llama_kv_route_stats (the patched include/llama.h; checked against it by
     tests/test_engine_header.py)."""
@@ -153,11 +164,7 @@ class RouteStatsC(ctypes.Structure):
         ("n_kv", ctypes.c_int32),
         ("region_size", ctypes.c_int32),
         ("n_sel", ctypes.c_int32),
-        ("rows_read", ctypes.c_int64),
-        ("rows_dense", ctypes.c_int64),
-        ("bytes_kv", ctypes.c_int64),
-        ("bytes_meta", ctypes.c_int64),
-        ("bytes_dense", ctypes.c_int64),
+        *_READ_COUNTS,
     ]
 
 
@@ -168,11 +175,7 @@ class RouteSeqStatsC(ctypes.Structure):
     _fields_ = [
         ("seq_id", ctypes.c_int32),
         ("n_sel", ctypes.c_int32),
-        ("rows_read", ctypes.c_int64),
-        ("rows_dense", ctypes.c_int64),
-        ("bytes_kv", ctypes.c_int64),
-        ("bytes_meta", ctypes.c_int64),
-        ("bytes_dense", ctypes.c_int64),
+        *_READ_COUNTS,
     ]
 
 
