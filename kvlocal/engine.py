@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import importlib.metadata
 import os
@@ -139,6 +140,17 @@ class RouteParamsC(ctypes.Structure):
     ]
 
 
+# the rows and bytes a ubatch (or one sequence of it) read, as llama_kv_route_stats and
+# llama_kv_route_seq_stats end
+_READ_COUNTS = [
+    ("rows_read", ctypes.c_int64),
+    ("rows_dense", ctypes.c_int64),
+    ("bytes_kv", ctypes.c_int64),
+    ("bytes_meta", ctypes.c_int64),
+    ("bytes_dense", ctypes.c_int64),
+]
+
+
 class RouteStatsC(ctypes.Structure):
     """Mirror of struct llama_kv_route_stats (the patched include/llama.h; checked against it by
     tests/test_engine_header.py)."""
@@ -152,11 +164,18 @@ class RouteStatsC(ctypes.Structure):
         ("n_kv", ctypes.c_int32),
         ("region_size", ctypes.c_int32),
         ("n_sel", ctypes.c_int32),
-        ("rows_read", ctypes.c_int64),
-        ("rows_dense", ctypes.c_int64),
-        ("bytes_kv", ctypes.c_int64),
-        ("bytes_meta", ctypes.c_int64),
-        ("bytes_dense", ctypes.c_int64),
+        *_READ_COUNTS,
+    ]
+
+
+class RouteSeqStatsC(ctypes.Structure):
+    """Mirror of struct llama_kv_route_seq_stats (the patched include/llama.h; checked against it by
+    tests/test_engine_header.py): what one sequence of a multi-sequence decode ubatch read."""
+
+    _fields_ = [
+        ("seq_id", ctypes.c_int32),
+        ("n_sel", ctypes.c_int32),
+        *_READ_COUNTS,
     ]
 
 
@@ -257,6 +276,12 @@ def route_api() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
         fn.restype = ctypes.c_int32
+    lib.llama_kv_route_get_n_seq.argtypes = [ctx_p]
+    lib.llama_kv_route_get_n_seq.restype = ctypes.c_int32
+    lib.llama_kv_route_get_seq_stats.argtypes = [ctx_p, ctypes.c_int32, ctypes.POINTER(RouteSeqStatsC)]
+    lib.llama_kv_route_get_seq_stats.restype = ctypes.c_int32
+    lib.llama_kv_route_get_seq_regions.argtypes = [ctx_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
+    lib.llama_kv_route_get_seq_regions.restype = ctypes.c_int32
     return lib
 
 
@@ -335,7 +360,8 @@ def apply_route(ctx: ctypes.c_void_p, route: Route, *, batch_top_k: int = 0) -> 
 
 def read_stats(ctx: ctypes.c_void_p, *, with_regions: bool = True) -> ReadStats | None:
     """The statistics of the context's last ubatch (a decode step, or a batch read at once), or None
-    before the first one."""
+    before the first one. A ubatch of one step of each of several sequences counts every sequence
+    in the totals and each one on its own in `sequences` (by sequence id), with the regions it read."""
     api = route_api()
     raw = RouteStatsC()
     if api.llama_kv_route_get_stats(ctx, ctypes.byref(raw)) != 0:
@@ -343,15 +369,70 @@ def read_stats(ctx: ctypes.c_void_p, *, with_regions: bool = True) -> ReadStats 
     stats = ReadStats(
         mode=RouteMode(raw.mode), **{name: getattr(raw, name) for name, _ in RouteStatsC._fields_ if name != "mode"}
     )
-    if with_regions and raw.n_layer_routed:
+    n_seq = api.llama_kv_route_get_n_seq(ctx)
+    if n_seq:
+        stats.sequences = _sequence_stats(ctx, stats, n_seq, with_regions=with_regions)
+    elif with_regions and raw.n_layer_routed:
         n = api.llama_kv_route_get_regions(ctx, None, 0)
         regions = np.zeros(n, np.int32)
         api.llama_kv_route_get_regions(ctx, regions.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
-        layers = np.zeros(raw.n_layer_routed, np.int32)
-        api.llama_kv_route_get_layers(ctx, layers.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(layers))
-        stats.layers = layers
+        stats.layers = _routed_layers(ctx, raw.n_layer_routed)
         stats.regions = regions.reshape(raw.n_layer_routed, raw.n_head_kv, raw.n_sel)
     return stats
+
+
+def _routed_layers(ctx: ctypes.c_void_p, n_layer_routed: int) -> np.ndarray:
+    layers = np.zeros(n_layer_routed, np.int32)
+    route_api().llama_kv_route_get_layers(ctx, layers.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(layers))
+    return layers
+
+
+def _sequence_stats(ctx: ctypes.c_void_p, total: ReadStats, n_seq: int, *, with_regions: bool) -> dict[int, ReadStats]:
+    """What each sequence of a multi-sequence decode ubatch read, by sequence id: the ubatch's
+    geometry with the sequence's own counts and regions ([layer, head, its n_sel], -1 padded)."""
+    api = route_api()
+    layers = _routed_layers(ctx, total.n_layer_routed) if with_regions else None
+    out = {}
+    for i in range(n_seq):
+        raw = RouteSeqStatsC()
+        if api.llama_kv_route_get_seq_stats(ctx, i, ctypes.byref(raw)) != 0:
+            raise EngineError(f"the engine has no statistics of sequence {i} of {n_seq}")
+        own = {name: getattr(raw, name) for name, _ in RouteSeqStatsC._fields_ if name != "seq_id"}
+        seq = dataclasses.replace(total, **own, sequences={})
+        if layers is not None:
+            n = api.llama_kv_route_get_seq_regions(ctx, i, None, 0)
+            regions = np.zeros(n, np.int32)
+            api.llama_kv_route_get_seq_regions(ctx, i, regions.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
+            seq.layers = layers
+            seq.regions = regions.reshape(total.n_layer_routed, total.n_head_kv, raw.n_sel)
+        out[raw.seq_id] = seq
+    return out
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    """One token decoded into sequence `seq` at position `pos` (a step of a multi-sequence batch)."""
+
+    seq: int
+    token: int
+    pos: int
+
+
+def decode_batch(ctx: ctypes.c_void_p, steps: Sequence[SequenceStep], *, logits: Sequence[bool]) -> None:
+    """Decode `steps` in one llama_batch (llama_decode splits it into ubatches of the context's
+    n_ubatch), with logits for the steps where `logits` is true."""
+    module = llama_cpp()
+    batch = module.llama_batch_init(len(steps), 0, 1)
+    try:
+        batch.n_tokens = len(steps)
+        for i, (step, want) in enumerate(zip(steps, logits, strict=True)):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = step.token, step.pos, 1, want
+            batch.seq_id[i][0] = step.seq
+        status = module.llama_decode(ctx, batch)
+    finally:
+        module.llama_batch_free(batch)
+    if status != 0:
+        raise EngineError(f"llama_decode failed ({status}) on a batch of {len(steps)} tokens")
 
 
 # -- one model and its context ----------------------------------------------------------------------
@@ -504,6 +585,30 @@ class EngineContext:
     def decode(self, tokens: Sequence[int]) -> None:
         """Decode `tokens` into sequence 0 from `n_tokens` on (in batches of the context's n_batch)."""
         self._llm.eval(tokens)
+
+    def decode_steps(self, steps: Sequence[SequenceStep]) -> list[np.ndarray]:
+        """Decode one token of each of several sequences in one batch, and return each step's logits
+        (copies, in the order of `steps`). With routing on, the engine routes every sequence over its
+        own cells (patch 0017); `read_stats().sequences` then says what each one read. `n_tokens`
+        (sequence 0's next position for `decode`) does not move."""
+        if len({step.seq for step in steps}) != len(steps):
+            raise UsageError("a batch of steps takes one token of each sequence")
+        decode_batch(self._llm.ctx, steps, logits=[True] * len(steps))
+        module = llama_cpp()
+        return [np.ctypeslib.as_array(module.llama_get_logits_ith(self._llm.ctx, i), shape=(self.n_vocab,)).copy()
+                for i in range(len(steps))]
+
+    def decode_sequence(self, seq: int, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """Decode `tokens` into sequence `seq` from position `pos` on (in batches of the context's
+        n_batch) and return the logits of the last one (a copy); `n_tokens` does not move."""
+        if not tokens:
+            raise UsageError("nothing to decode")
+        n_batch = self._llm.n_batch
+        for start in range(0, len(tokens), n_batch):
+            chunk = tokens[start:start + n_batch]
+            steps = [SequenceStep(seq, token, pos + start + j) for j, token in enumerate(chunk)]
+            decode_batch(self._llm.ctx, steps, logits=[j == len(chunk) - 1 for j in range(len(chunk))])
+        return self.last_logits().copy()
 
     def last_logits(self) -> np.ndarray:
         """The logits of the last token decoded: a view valid until the next decode (copy it to keep it)."""

@@ -460,6 +460,9 @@ class ReadStats:
     layers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [n_layer_routed]
     # [layer, head, n_sel]; -1 after the regions of a layer that read fewer than n_sel (budgets per layer)
     regions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.int32))
+    # a ubatch of one step of each of several sequences: what each read, by sequence id (the totals
+    # above sum them; the regions are each sequence's own)
+    sequences: dict[int, ReadStats] = field(default_factory=dict)
 
     @property
     def bytes_read(self) -> int:

@@ -131,7 +131,8 @@ def test_fallback_reasons_mirror_the_header(header):
 
 
 @pytest.mark.parametrize("c_name, py_name", [("llama_kv_route_params", "RouteParamsC"),
-                                             ("llama_kv_route_stats", "RouteStatsC")])
+                                             ("llama_kv_route_stats", "RouteStatsC"),
+                                             ("llama_kv_route_seq_stats", "RouteSeqStatsC")])
 def test_ctypes_structs_mirror_the_header(header, c_name, py_name):
     import kvlocal.engine
 

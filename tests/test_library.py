@@ -16,7 +16,7 @@ from synth_gguf import write_tiny_olmo2_swa  # noqa: E402
 from test_library_upstream import _Ctx  # noqa: E402
 
 from kvlocal import kvstate  # noqa: E402
-from kvlocal.engine import llama_cpp, route_api  # noqa: E402
+from kvlocal.engine import SequenceStep, decode_batch, llama_cpp, route_api  # noqa: E402
 from kvlocal.errors import ContextOverflowError, ModelError, UsageError  # noqa: E402
 from kvlocal.ingest import Document  # noqa: E402
 from kvlocal.layout import DocumentSpan, SetReads  # noqa: E402
@@ -299,20 +299,26 @@ def test_window_and_random_over_a_set_choose_other_regions_than_geometric(lib):
         assert any(not np.array_equal(np.sort(a, -1), np.sort(b, -1)) for a, b in zip(picks["geometric"], picks[mode])), mode
 
 
-def test_a_ubatch_of_several_sequences_still_falls_back(lib):
+def test_a_ubatch_of_steps_of_several_sequences_routes_each_over_what_it_sees(lib):
+    """One token of the question's sequence and the staging one's first, decoded together, route each
+    on its own (patch 0017): the question's over the set, the staging sequence over its one cell.
+    Several tokens of one sequence beside another still fall back."""
     load_set(lib, [A, B])
-    m = llama_cpp()
     pos = lib.n_prefix
-    batch = m.llama_batch_init(2, 0, 1)
-    try:
-        batch.n_tokens = 2
-        for i, seq in enumerate((0, 1)):  # one token of the question's sequence, the staging one's first
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = 5 + i, (pos, 0)[i], 1, True
-            batch.seq_id[i][0] = seq
-        lib.context.apply_route(Route(mode="geometric", top_k=2, region=64), batch_top_k=2)
-        assert m.llama_decode(lib.context.raw_context, batch) == 0
-    finally:
-        m.llama_batch_free(batch)
+    lib.context.apply_route(Route(mode="geometric", top_k=2, region=64, keep=0.0), batch_top_k=2)
+    lib.context.decode_steps([SequenceStep(0, 5, pos), SequenceStep(1, 6, 0)])
+    st = lib.context.read_stats()
+    assert st.fallback == Fallback.OK and sorted(st.sequences) == [0, 1]
+    step_region = int(st.sequences[1].regions[0, 0, 0])  # where both steps' cells landed
+    assert {int(r) for r in st.sequences[1].regions.ravel()} == {step_region}  # all the staging sequence sees
+    asked = st.sequences[0]
+    assert asked.n_sel == 1 + 2 + 2  # the head's sink, the window, top_k 2 regions of the documents
+    assert all(step_region in set(head.tolist()) for layer in asked.regions for head in layer)
+
+    load_set(lib, [A, B])
+    lib.context.apply_route(Route(mode="geometric", top_k=2, region=64, keep=0.0), batch_top_k=2)
+    steps = [SequenceStep(0, 5, pos), SequenceStep(0, 6, pos + 1), SequenceStep(1, 7, 0)]
+    decode_batch(lib.context.raw_context, steps, logits=[True] * len(steps))
     assert lib.context.read_stats().fallback == Fallback.MULTI_SEQ
 
 
