@@ -71,6 +71,7 @@ class AnswerSummary(ReadTotals):
     region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> steps that read it
     hint_cells: tuple[int, ...] = ()  # the cells whose regions the question's words hinted (route.hints)
     model_layers: int = 0  # the model's layers (more than `layers` in a hybrid model)
+    placement: str = ""  # which machine held which layers, when some were on RPC servers
 
     def add(self, stats: ReadStats) -> None:
         super().add(stats)

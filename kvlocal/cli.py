@@ -16,6 +16,7 @@ from kvlocal import __version__
 from kvlocal.cli_options import (
     LIBRARY,
     PREFILL,
+    AllowRemoteOpt,
     CtxOpt,
     HaystackOpt,
     HintsOpt,
@@ -33,6 +34,12 @@ from kvlocal.cli_options import (
     RegionOpt,
     RouteOpt,
     RouteOptions,
+    RpcHostOpt,
+    RpcMemOpt,
+    RpcOpt,
+    RpcOptions,
+    RpcPortOpt,
+    RpcThreadsOpt,
     SeedOpt,
     SinksOpt,
     TemperatureOpt,
@@ -41,6 +48,7 @@ from kvlocal.cli_options import (
     option_groups,
 )
 from kvlocal.errors import KvlocalError
+from kvlocal.rpc import DEFAULT_PORT
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK,
     DEFAULT_MODE,
@@ -128,16 +136,17 @@ def _check_lengths_fit(session, lengths: list[int]) -> None:
                          f"{session.trained_ctx}")
 
 
-def _open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_BLOCK, centroid_type=None):
+def _open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_BLOCK, centroid_type=None,
+                  placement=None):
     """The session of `model` (it loads a document, or a set through kvlocal.library); centroids of
-    `centroid_type`, or (None) the type of the model's route."""
+    `centroid_type`, or (None) the type of the model's route; layers on RPC servers by `placement`."""
     from kvlocal.progress import StatusLine, download_text
     from kvlocal.session import Session
 
     line = StatusLine()
     session = Session(
         model, n_ctx=ctx, threads=threads, kv_type=kv_type, centroid_block=centroid_block, centroid_type=centroid_type,
-        model_progress=lambda d, t, s: line.show(download_text(d, t, s)),
+        placement=placement, model_progress=lambda d, t, s: line.show(download_text(d, t, s)),
     )
     line.done()
     return session
@@ -241,6 +250,7 @@ def ask(
     prefill: PrefillOpt = DEFAULT_PREFILL,
     prefilling: PrefillOptions = PrefillOptions(),
     max_kv: MaxKvOpt = None,
+    distributed: RpcOptions = RpcOptions(),
 ) -> None:
     """Answer QUESTION from one or several DOCUMENTs; the answer streams to stdout, progress and KV reads to stderr.
 
@@ -256,7 +266,8 @@ def ask(
     question = _text_arg(question)  # the documents stay as given: paths
     check_ask_settings(question, max_tokens, temperature, seed)
     docs, limit = _document_set(documents, max_kv)
-    session = _open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type)
+    session = _open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type,
+                            distributed.config())
     if len(docs.documents) > 1:  # one document: bounded by the trained context, and the single-document path
         check_set_fits(session, docs.documents, limit)
     _load_set(session, docs.documents, not no_cache, prefill_cfg)
@@ -312,11 +323,12 @@ def models() -> None:
 
 @app.command()
 @handles_errors
-def doctor() -> None:
-    """Report the engine build, its patch set, backends, the default model and the cache."""
+def doctor(rpc: RpcOpt = None) -> None:
+    """Report the engine build, its patch set, backends, the RPC servers it can reach, the default model and the cache."""
     from kvlocal import kvstate, paths
     from kvlocal.engine import ENGINE_VERSION, backend_devices, engine_info
     from kvlocal.models import DEFAULT_ALIAS, model_status
+    from kvlocal.rpc import rpc_report
     from kvlocal.units import human_bytes
 
     info = engine_info()
@@ -332,6 +344,7 @@ def doctor() -> None:
         memory = f", {human_bytes(dev.memory_total)}" if dev.memory_total else ""
         print(f"device {dev.name}: {dev.description} ({dev.kind}{memory})")
     print(f"system: {info.system_info}")
+    print("\n".join(rpc_report(rpc)))
     print(f"default model {DEFAULT_ALIAS}: {model_status(DEFAULT_ALIAS)}")
     try:
         entries = kvstate.list_entries()
@@ -339,6 +352,22 @@ def doctor() -> None:
         print(f"cache dir: UNUSABLE: {e}")
     else:
         print(f"cache dir: {paths.cache_root()} ({len(entries)} saved KV states)")
+
+
+@app.command("rpc-server")
+@handles_errors
+def rpc_server(
+    host: RpcHostOpt = "127.0.0.1",
+    port: RpcPortOpt = DEFAULT_PORT,
+    threads: RpcThreadsOpt = None,
+    mem: RpcMemOpt = None,
+    allow_remote: AllowRemoteOpt = False,
+) -> None:
+    """Serve this machine's memory and CPU to `kvlocal ask --rpc HOST:PORT` on another: llama.cpp's RPC server,
+    built with this engine. It holds the layers a client gives it and their KV cache; Ctrl-C stops it."""
+    from kvlocal.rpc import serve
+
+    serve(host, port, threads, mem, allow_remote)
 
 
 @cache_app.command("list")
@@ -385,6 +414,7 @@ def tui(
     prefill: PrefillOpt = DEFAULT_PREFILL,
     prefilling: PrefillOptions = PrefillOptions(),
     max_kv: MaxKvOpt = None,
+    distributed: RpcOptions = RpcOptions(),
 ) -> None:
     """The interactive app: load a document or a set, ask, and watch which KV regions each step reads."""
     from kvlocal.docset import parse_size
@@ -396,7 +426,8 @@ def tui(
     from kvlocal.tui.app import run_app
 
     session_settings = {"n_ctx": ctx, "threads": threads, "kv_type": kv_type,
-                        "centroid_block": routing.centroid_block, "centroid_type": routing.centroid_type}
+                        "centroid_block": routing.centroid_block, "centroid_type": routing.centroid_type,
+                        "placement": distributed.config()}
     code = run_app(documents=documents or [], model=model, route=route_cfg, prefill=prefill_cfg,
                    max_tokens=max_tokens, session_settings=session_settings, max_kv=limit)
     if code:  # 130: interrupted (SIGINT or ctrl+c)
@@ -592,7 +623,7 @@ def _eval_library(sizes: str, lengths: str, facts_per_doc: int, sets_per_seed: i
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder")
     filler = load_document(haystack).text if haystack else None
-    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type, placement)
     check_composable(session)
     _check_lengths_fit(session, length_list)
     for config in configs:
@@ -835,6 +866,7 @@ def bench(
     prefilling: PrefillOptions = PrefillOptions(),
     library: LibraryOpt = "",
     library_seed: Annotated[int, typer.Option("--library-seed", min=0, max=MAX_SEED, rich_help_panel=LIBRARY, help="With --library: the seed of the sets' documents (`kvlocal eval --library --seeds`: a set evaluated there opens from the cache).")] = 0,
+    distributed: RpcOptions = RpcOptions(),
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
     import json
@@ -847,14 +879,15 @@ def bench(
 
     route = routing.config("geometric")
     if library.strip():
-        _bench_library(library, lengths, tokens, model, threads, out, routing, route, library_seed)
+        _bench_library(library, lengths, tokens, model, threads, out, routing, route, library_seed, distributed.config())
         return
     context_lengths = _lengths(lengths)
     prefill_context = [] if prefill_lengths.strip().lower() == "none" else _lengths(prefill_lengths)
     prefill_cfg = prefilling.config("routed")
     if out:
         _check_out_file(out)
-    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
+                            distributed.config())
     _check_lengths_fit(session, context_lengths + prefill_context)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log, controls=controls,
@@ -898,7 +931,7 @@ def bench(
 
 
 def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: Path | None, routing, route,
-                   seed: int = 0) -> None:
+                   seed: int = 0, placement=None) -> None:
     import json
 
     from kvlocal.atomic import write_text_atomic
@@ -914,7 +947,7 @@ def _bench_library(sizes: str, lengths: str, tokens: int, model, threads, out: P
         raise UsageError("--library benches one document length at a time; give one --lengths")
     if out:
         _check_out_file(out)
-    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+    session = _open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type, placement)
     check_composable(session)
     _check_lengths_fit(session, length_list)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
