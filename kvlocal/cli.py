@@ -39,7 +39,6 @@ from kvlocal.cli_options import (
     RpcOpt,
     RpcOptions,
     RpcPortOpt,
-    RpcThreadsOpt,
     SeedOpt,
     SinksOpt,
     TemperatureOpt,
@@ -359,7 +358,7 @@ def doctor(rpc: RpcOpt = None) -> None:
 def rpc_server(
     host: RpcHostOpt = "127.0.0.1",
     port: RpcPortOpt = DEFAULT_PORT,
-    threads: RpcThreadsOpt = None,
+    threads: ThreadsOpt = None,
     mem: RpcMemOpt = None,
     allow_remote: AllowRemoteOpt = False,
 ) -> None:

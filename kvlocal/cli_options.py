@@ -196,9 +196,6 @@ TensorSplitOpt = Annotated[Optional[str], typer.Option(
 RpcHostOpt = Annotated[str, typer.Option(
     "--host", help="Address to listen on: loopback unless --allow-remote.")]
 RpcPortOpt = Annotated[int, typer.Option("--port", "-p", min=1, max=65535, help="Port to listen on.")]
-RpcThreadsOpt = Annotated[Optional[int], typer.Option(
-    "--threads", "-t", min=1, max=MAX_THREADS, show_default="the server's: half the cores",
-    help="CPU threads the server computes its layers with.")]
 RpcMemOpt = Annotated[Optional[str], typer.Option(
     "--mem", metavar="SIZE", show_default="no cap",
     help="Most memory the server may allocate, e.g. 24GiB (its data segment, RLIMIT_DATA): a client whose layers "

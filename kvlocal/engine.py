@@ -28,7 +28,6 @@ from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
 from kvlocal.gguf_header import validate_gguf
 from kvlocal.patchset import repo_patchset_id
 from kvlocal.routing import ATTENTION_CODES, ReadStats, RouteConfig, RouteMode
-from kvlocal.rpc import Placement
 
 ENGINE_VERSION = "0.3.36"
 BUILD_HINT = "build it with: python vendor/build_engine.py"
@@ -472,6 +471,16 @@ def rpc_devices(endpoints: Sequence[str]) -> list[int]:
     return devices
 
 
+def layer_plan(n_layer: int, shares: Sequence[float]) -> tuple[int, list[float]]:
+    """llama.cpp's n_gpu_layers and tensor_split that give this machine and each RPC server its share
+    (`shares`: this machine's, then each server's) of a model's layers. llama.cpp splits the N layers
+    and the output layer (N + 1 places): the first n_layer + 1 - n_gpu_layers stay on the CPU here,
+    the rest go to the devices in tensor_split's proportions, in order."""
+    places = n_layer + 1
+    local = round(places * shares[0] / sum(shares))
+    return places - local, list(shares[1:])
+
+
 _ABORT_CALLBACK = None
 
 
@@ -512,17 +521,18 @@ class EngineContext:
     @classmethod
     def open(cls, model_path: Path, *, n_batch: int, threads: int, kv_type: str, centroid_block: int,
              centroid_type: str, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1,
-             placement: Placement | None = None) -> EngineContext:
+             rpc_servers: Sequence[str] = (), rpc_shares: Sequence[float] = ()) -> EngineContext:
         """Load the model at `model_path` with a context of `n_ctx` cells; with `n_seq_max` > 1 the context
         holds that many sequences in one unified KV cache (one stream: copying a sequence shares its
-        cells), which Llama's constructor cannot ask for. With a `placement` (kvlocal.rpc), the model's
-        layers and their KV cache are split over this machine and the RPC servers it names."""
+        cells), which Llama's constructor cannot ask for. With `rpc_servers` ("host:port", kvlocal.rpc
+        probes them first) the model's layers and their KV cache are split over this machine and those
+        servers by `rpc_shares` (this machine's first: layer_plan)."""
         module = llama_cpp()
         gpu = bool(module.llama_supports_gpu_offload())
         devices, split = None, {"n_gpu_layers": -1 if gpu else 0}
-        if placement is not None and not vocab_only:
-            devices = rpc_devices([str(e) for e in placement.servers])
-            n_gpu_layers, shares = placement.layer_plan(validate_gguf(model_path).n_layer or 0)
+        if rpc_servers and not vocab_only:
+            devices = rpc_devices(rpc_servers)
+            n_gpu_layers, shares = layer_plan(validate_gguf(model_path).n_layer or 0, rpc_shares)
             split = {"n_gpu_layers": n_gpu_layers, "tensor_split": shares}
         layers: dict[int, str] = {}
         with _llama_params(n_seq_max, devices), _layer_log(layers):

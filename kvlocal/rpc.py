@@ -131,19 +131,12 @@ class Placement:
     """The servers a model's layers are split over, and each machine's share: this one first, then
     the servers in the order given (`--tensor-split`; default: equal shares).
 
-    llama.cpp's layer split: the model's N layers and its output layer (N + 1 places) are split in
-    proportion to the shares, this machine taking the first layers, each server the next ones in order;
-    a layer's KV cache lives where its weights do. (Within the servers' part, llama.cpp's
-    --tensor-split chooses which server holds which layer.)"""
+    llama.cpp's layer split (kvlocal.engine.layer_plan): the model's N layers and its output layer
+    (N + 1 places) are split in proportion to the shares, this machine taking the first layers, each
+    server the next ones in order; a layer's KV cache lives where its weights do."""
 
     servers: tuple[Endpoint, ...]
     shares: tuple[float, ...]
-
-    def layer_plan(self, n_layer: int) -> tuple[int, list[float]]:
-        """(llama.cpp's n_gpu_layers, tensor_split over the servers' devices) for a model of `n_layer` layers."""
-        places = n_layer + 1
-        local = round(places * self.shares[0] / sum(self.shares))
-        return places - local, list(self.shares[1:])
 
     def describe(self) -> str:
         return ", ".join(f"{where} {share:g}" for where, share in zip(["here", *map(str, self.servers)], self.shares))
@@ -243,17 +236,17 @@ def serve(host: str, port: int, threads: int | None, mem: str | None, allow_remo
     import os
     import resource
     import sys
+    from os import cpu_count
 
-    from kvlocal.docset import parse_size
     from kvlocal.engine import require_patched, rpc_server_binary
+    from kvlocal.units import parse_bytes
 
     info = require_patched()
     binary = rpc_server_binary()
     warning = check_bind(host, port, allow_remote)
-    try:
-        limit = parse_size(mem) if mem is not None else None
-    except UsageError as err:
-        raise UsageError(str(err).replace("KV limit", "memory cap"), setting="mem") from None
+    limit = int(parse_bytes(mem) or 0) if mem is not None else None
+    if limit is not None and limit < 1 << 20:
+        raise UsageError(f"not a memory size of 1 MiB or more: {mem!r} (for example 24GiB)", setting="mem")
     if warning:
         print(f"kvlocal: {warning}", file=sys.stderr)
     cap = f", memory cap {mem}" if limit else ""
@@ -261,7 +254,7 @@ def serve(host: str, port: int, threads: int | None, mem: str | None, allow_remo
           f"{info.patchset}{cap}; clients: kvlocal ask --rpc {host}:{port} ...; Ctrl-C stops it", file=sys.stderr)
     if limit:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-    argv = [str(binary), "--host", host, "--port", str(port), *(["--threads", str(threads)] if threads else [])]
+    argv = [str(binary), "--host", host, "--port", str(port), "--threads", str(threads or cpu_count() or 1)]
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(2, 1)  # the server's banner and connection log: diagnostics

@@ -176,7 +176,8 @@ class Session:
         return EngineContext.open(self.model.path, vocab_only=vocab_only, n_ctx=n_ctx, n_seq_max=n_seq_max,
                                   n_batch=self.n_batch, threads=self.threads, kv_type=self.kv_type,
                                   centroid_block=self.centroid_block, centroid_type=self.centroid_type,
-                                  placement=self.placement)
+                                  rpc_servers=[str(e) for e in self.placement.servers] if self.placement else (),
+                                  rpc_shares=self.placement.shares if self.placement else ())
 
     def layer_placement(self) -> str:
         """Which machine holds which layers (and their KV) of the loaded context; '' when all are here."""

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.engine
 from synth_gguf import write_tiny_qwen2  # noqa: E402
 
 from kvlocal import kvstate  # noqa: E402
-from kvlocal.engine import EngineContext  # noqa: E402
+from kvlocal.engine import EngineContext, layer_plan  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.routing import RouteConfig  # noqa: E402
 from kvlocal.rpc import RPC_PROTOCOL, Endpoint, RpcError, check_bind, placement, probe  # noqa: E402
@@ -99,8 +99,9 @@ def rpc_list(servers) -> str:
 
 
 def open_context(model: Path, place=None) -> EngineContext:
+    servers, shares = ([str(e) for e in place.servers], place.shares) if place else ((), ())
     return EngineContext.open(model, n_batch=512, threads=1, kv_type="f16", centroid_block=16, centroid_type="f16",
-                              n_ctx=2048, placement=place)
+                              n_ctx=2048, rpc_servers=servers, rpc_shares=shares)
 
 
 ROUTES = (RouteConfig(mode="full"), RouteConfig(mode="geometric", top_k=1000, region=64, shortlist=0),
@@ -287,8 +288,8 @@ def test_bad_rpc_options_are_usage_errors(rpc, split, message):
 def test_default_shares_are_equal_and_plan_llama_cpps_split():
     place = placement("a:1,b:2", None)
     assert place.shares == (1.0, 1.0, 1.0)
-    assert place.layer_plan(24) == (17, [1.0, 1.0])  # 25 places: 8 here, 17 on the servers
-    assert placement("a:1", "0,1").layer_plan(4) == (5, [1.0])
+    assert layer_plan(24, place.shares) == (17, [1.0, 1.0])  # 25 places: 8 here, 17 on the servers
+    assert layer_plan(4, placement("a:1", "0,1").shares) == (5, [1.0])
 
 
 def test_rpc_server_refuses_a_non_loopback_address_without_allow_remote():
