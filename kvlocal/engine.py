@@ -104,7 +104,7 @@ def engine_info() -> EngineInfo:
         version=version,
         build_id=build_id,
         repo_patchset=repo_patchset_id(),
-        gpu_offload=bool(module.llama_supports_gpu_offload()),
+        gpu_offload=local_gpu(),
         system_info=module.llama_print_system_info().decode(errors="replace").strip(),
     )
 
@@ -244,6 +244,12 @@ def backend_devices() -> list[BackendDevice]:
             memory_total=int(total.value),
         ))
     return devices
+
+
+def local_gpu() -> bool:
+    """This machine has a GPU the engine offloads to (llama_supports_gpu_offload also says yes for an
+    engine with the RPC backend, whose servers are no GPU of this machine's)."""
+    return any(dev.kind in ("gpu", "igpu") for dev in backend_devices())
 
 
 @functools.cache
@@ -528,8 +534,7 @@ class EngineContext:
         probes them first) the model's layers and their KV cache are split over this machine and those
         servers by `rpc_shares` (this machine's first: layer_plan)."""
         module = llama_cpp()
-        gpu = bool(module.llama_supports_gpu_offload())
-        devices, split = None, {"n_gpu_layers": -1 if gpu else 0}
+        devices, split = None, {"n_gpu_layers": -1 if local_gpu() else 0}
         if rpc_servers and not vocab_only:
             devices = rpc_devices(rpc_servers)
             n_gpu_layers, shares = layer_plan(validate_gguf(model_path).n_layer or 0, rpc_shares)

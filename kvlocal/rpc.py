@@ -169,10 +169,20 @@ def check_servers(place: Placement) -> list[ServerInfo]:
     return [probe(endpoint) for endpoint in place.servers]
 
 
-def server_gone(detail: str) -> str:
-    """The one line for a fatal engine error while RPC servers hold layers (exit_on_engine_abort)."""
-    return (f"kvlocal: error: the engine stopped ({detail}): an RPC server stopped answering; the saved KV "
-            f"states are intact: ask again once the servers are back (`kvlocal doctor --rpc ...` lists them)")
+def server_gone(detail: str, servers: tuple[Endpoint, ...] = ()) -> str:
+    """The one line for a fatal engine error while RPC servers hold layers (engine.exit_on_engine_abort),
+    naming the `servers` that now refuse connections."""
+    gone = []
+    for endpoint in servers:
+        try:
+            socket.create_connection((endpoint.host, endpoint.port), timeout=1).close()
+        except ConnectionRefusedError:
+            gone.append(str(endpoint))
+        except OSError:
+            pass  # busy (serving this process's engine) or slow: not known to be gone
+    which = f"RPC server {', '.join(gone)} is gone" if gone else "an RPC server stopped answering"
+    return (f"kvlocal: error: the engine stopped ({detail}): {which}; the saved KV states are intact: ask again "
+            f"once the servers are back (`kvlocal doctor --rpc ...` lists them)")
 
 
 def describe_layers(layer_devices: list[str], labels: dict[str, str]) -> str:

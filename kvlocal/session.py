@@ -131,7 +131,7 @@ class Session:
         self.placement = placement
         if placement is not None:
             check_servers(placement)
-            exit_on_engine_abort(server_gone)
+            exit_on_engine_abort(lambda detail: server_gone(detail, placement.servers))
         self.model: ResolvedModel = resolve_model(model, progress=model_progress)
         self.kv_type = kv_type
         self.n_batch = n_batch

@@ -218,6 +218,7 @@ def test_a_server_killed_mid_answer_is_one_line_exit_1_and_nothing_cached_is_los
     assert client.returncode == 1, (first + rest, stderr)
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("kvlocal: error: the engine stopped (Remote RPC server crashed"), stderr
+    assert f"RPC server {endpoint} is gone" in last
     assert "saved KV states are intact" in last
     # the prefilled document was saved before the answer began, and still loads
     monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(cache))
