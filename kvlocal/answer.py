@@ -72,6 +72,8 @@ class AnswerSummary(ReadTotals):
     hint_cells: tuple[int, ...] = ()  # the cells whose regions the question's words hinted (route.hints)
     model_layers: int = 0  # the model's layers (more than `layers` in a hybrid model)
     placement: str = ""  # which machine held which layers, when some were on RPC servers
+    wire_sent: int = 0  # bytes the answer's steps sent to the RPC servers (and received from them)
+    wire_received: int = 0
 
     def add(self, stats: ReadStats) -> None:
         super().add(stats)

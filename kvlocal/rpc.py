@@ -18,6 +18,7 @@ rpc-server` binds loopback unless --allow-remote.
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import struct
 from dataclasses import dataclass
@@ -206,6 +207,38 @@ def describe_layers(layer_devices: list[str], labels: dict[str, str]) -> str:
     return "layers " + ", ".join(parts)
 
 
+def wire_bytes(servers: tuple[Endpoint, ...]) -> tuple[int, int]:
+    """(sent, received): the bytes this process's TCP connections to `servers` carried so far (the
+    engine's RPC connections; Linux's TCP_INFO: tcpi_bytes_sent, tcpi_bytes_received, Linux 4.19 on),
+    (0, 0) where the system does not tell."""
+    peers = set()
+    for endpoint in servers:
+        try:
+            peers |= {(info[4][0], endpoint.port) for info in socket.getaddrinfo(endpoint.host, endpoint.port)}
+        except socket.gaierror:
+            continue
+    sent = received = 0
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return 0, 0
+    for fd in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as sock:  # a duplicate of the engine's
+                if sock.getpeername()[:2] not in peers:
+                    continue
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 208)
+        except OSError:
+            continue
+        if len(info) < 208:
+            return 0, 0
+        # struct tcp_info: tcpi_bytes_received at 128, tcpi_bytes_sent at 200 (bytes_acked lags by a delayed ACK)
+        sent, received = sent + struct.unpack_from("<Q", info, 200)[0], received + struct.unpack_from("<Q", info, 128)[0]
+    return sent, received
+
+
 # -- kvlocal rpc-server ---------------------------------------------------------------------------
 
 
@@ -243,10 +276,8 @@ def serve(host: str, port: int, threads: int | None, mem: str | None, allow_remo
     """Become llama.cpp's RPC server (exec: Ctrl-C and signals reach it directly), after the checks:
     this engine's server exists, the address is loopback (or allowed), the port is free; `mem` caps
     the memory it may allocate. Its own log goes to stderr."""
-    import os
     import resource
     import sys
-    from os import cpu_count
 
     from kvlocal.engine import require_patched, rpc_server_binary
     from kvlocal.units import parse_bytes
@@ -264,7 +295,7 @@ def serve(host: str, port: int, threads: int | None, mem: str | None, allow_remo
           f"{info.patchset}{cap}; clients: kvlocal ask --rpc {host}:{port} ...; Ctrl-C stops it", file=sys.stderr)
     if limit:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-    argv = [str(binary), "--host", host, "--port", str(port), "--threads", str(threads or cpu_count() or 1)]
+    argv = [str(binary), "--host", host, "--port", str(port), "--threads", str(threads or os.cpu_count() or 1)]
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(2, 1)  # the server's banner and connection log: diagnostics

@@ -38,7 +38,7 @@ from kvlocal.route_settings import (
     ModelRoute,
     model_route,
 )
-from kvlocal.rpc import Placement, check_servers, describe_layers, server_gone
+from kvlocal.rpc import Placement, check_servers, describe_layers, server_gone, wire_bytes
 from kvlocal.routing import (
     PrefillConfig, ReadStats, RouteConfig, check_centroid_block, check_centroid_type, check_region_block,
 )
@@ -178,6 +178,10 @@ class Session:
                                   centroid_block=self.centroid_block, centroid_type=self.centroid_type,
                                   rpc_servers=[str(e) for e in self.placement.servers] if self.placement else (),
                                   rpc_shares=self.placement.shares if self.placement else ())
+
+    def _wire_bytes(self) -> tuple[int, int]:
+        """(sent, received) bytes over the RPC servers' connections so far; (0, 0) without servers."""
+        return wire_bytes(self.placement.servers) if self.placement else (0, 0)
 
     def layer_placement(self) -> str:
         """Which machine holds which layers (and their KV) of the loaded context; '' when all are here."""
@@ -649,6 +653,7 @@ class Session:
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             pieces: list[str] = []
             stops, recent = self.parts.stops, ""
+            wire = self._wire_bytes()
             start = time.perf_counter()
             try:
                 for _ in range(max_tokens):
@@ -677,6 +682,7 @@ class Session:
                 pieces.append(tail)
                 yield AnswerPiece(tail, -1, None)
             summary.decode_seconds = time.perf_counter() - start
+            summary.wire_sent, summary.wire_received = (b - a for a, b in zip(wire, self._wire_bytes()))
             summary.text = "".join(pieces)
             summary.context_full = capped and summary.n_answer_tokens == max_tokens
             return summary

@@ -185,9 +185,12 @@ def test_ask_over_rpc_answers_as_locally_and_says_where_the_layers_were(servers,
     assert there.stdout == here.stdout
     assert (f"layers 0 on this machine (CPU), 1-2 on {servers[0]} (RPC" in there.stderr
             and f"3 and the output on {servers[1]} (RPC" in there.stderr), there.stderr
-    again = ask(tmp_path / "cache-there", model4, docs[:1], "--rpc", rpc_list(servers))
+    again = ask(tmp_path / "cache-there", model4, docs[:1], "--rpc", rpc_list(servers), "--tensor-split", "1,2,2")
     assert again.returncode == 0 and "cache hit, no prefill" in again.stderr, again.stderr
     assert again.stdout == here.stdout
+    # the answer's steps send the same bytes over the wire each time (loaded or prefilled state alike)
+    [wire] = [line for line in there.stderr.splitlines() if "over the wire (RPC), per answer step:" in line]
+    assert wire in again.stderr.splitlines() and "over the wire" not in here.stderr
 
 
 def test_a_set_of_documents_over_rpc_answers_as_locally(servers, model4, docs, tmp_path):
