@@ -70,6 +70,9 @@ class AnswerSummary(ReadTotals):
     question_bytes_dense: int = 0  # of bytes_dense, what they would have read densely
     region_reads: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, region) -> steps that read it
     model_layers: int = 0  # the model's layers (more than `layers` in a hybrid model)
+    placement: str = ""  # which machine held which layers, when some were on RPC servers
+    wire_sent: int = 0  # bytes the answer's steps sent to the RPC servers (and received from them)
+    wire_received: int = 0
 
     def add(self, stats: ReadStats) -> None:
         super().add(stats)

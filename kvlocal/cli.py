@@ -19,6 +19,7 @@ from kvlocal import cli_common as common
 from kvlocal.cli_common import err, handles_errors
 from kvlocal.cli_measure import bench_app, eval_app, lab_app
 from kvlocal.cli_options import (
+    AllowRemoteOpt,
     CtxOpt,
     KvTypeOpt,
     MaxKvOpt,
@@ -29,12 +30,18 @@ from kvlocal.cli_options import (
     PrefillOptions,
     RouteOpt,
     RouteOptions,
+    RpcHostOpt,
+    RpcMemOpt,
+    RpcOpt,
+    RpcOptions,
+    RpcPortOpt,
     SeedOpt,
     TemperatureOpt,
     ThreadsOpt,
     option_groups,
 )
 from kvlocal.errors import KvlocalError, UsageError
+from kvlocal.rpc import DEFAULT_PORT
 from kvlocal.route_settings import DEFAULT_MODE, DEFAULT_PREFILL
 from kvlocal.serve.command import serve as serve_command
 
@@ -159,6 +166,7 @@ def ask(
     prefill: PrefillOpt = DEFAULT_PREFILL,
     prefilling: PrefillOptions = PrefillOptions(),
     max_kv: MaxKvOpt = None,
+    distributed: RpcOptions = RpcOptions(),
 ) -> None:
     """Answer QUESTION from one or several DOCUMENTs; the answer streams to stdout, progress and KV reads to stderr.
 
@@ -174,7 +182,8 @@ def ask(
     question = _text_arg(question)  # the documents stay as given: paths
     check_ask_settings(question, max_tokens, temperature, seed)
     docs, limit = _document_set(documents, max_kv)
-    session = common.open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type)
+    session = common.open_session(model, ctx, threads, kv_type, routing.centroid_block, routing.centroid_type,
+                                  distributed.config())
     if len(docs.documents) > 1:  # one document: bounded by the trained context, and the single-document path
         check_set_fits(session, docs.documents, limit)
     _load_set(session, docs.documents, not no_cache, prefill_cfg)
@@ -230,11 +239,12 @@ def models() -> None:
 
 @app.command()
 @handles_errors
-def doctor() -> None:
-    """Report the engine build, its patch set, backends, the default model and the cache."""
+def doctor(rpc: RpcOpt = None) -> None:
+    """Report the engine build, its patch set, backends, the RPC servers it can reach, the default model and the cache."""
     from kvlocal import kvstate, paths
     from kvlocal.engine import ENGINE_VERSION, backend_devices, engine_info
     from kvlocal.models import DEFAULT_ALIAS, model_status
+    from kvlocal.rpc import rpc_report
     from kvlocal.units import human_bytes
 
     info = engine_info()
@@ -250,6 +260,7 @@ def doctor() -> None:
         memory = f", {human_bytes(dev.memory_total)}" if dev.memory_total else ""
         print(f"device {dev.name}: {dev.description} ({dev.kind}{memory})")
     print(f"system: {info.system_info}")
+    print("\n".join(rpc_report(rpc)))
     print(f"default model {DEFAULT_ALIAS}: {model_status(DEFAULT_ALIAS)}")
     try:
         entries = kvstate.list_entries()
@@ -257,6 +268,22 @@ def doctor() -> None:
         print(f"cache dir: UNUSABLE: {e}")
     else:
         print(f"cache dir: {paths.cache_root()} ({len(entries)} saved KV states)")
+
+
+@app.command("rpc-server")
+@handles_errors
+def rpc_server(
+    host: RpcHostOpt = "127.0.0.1",
+    port: RpcPortOpt = DEFAULT_PORT,
+    threads: ThreadsOpt = None,
+    mem: RpcMemOpt = None,
+    allow_remote: AllowRemoteOpt = False,
+) -> None:
+    """Serve this machine's memory and CPU to `kvlocal ask --rpc HOST:PORT` on another: llama.cpp's RPC server,
+    built with this engine. It holds the layers a client gives it and their KV cache; Ctrl-C stops it."""
+    from kvlocal.rpc import serve
+
+    serve(host, port, threads, mem, allow_remote)
 
 
 @cache_app.command("list")
@@ -303,6 +330,7 @@ def tui(
     prefill: PrefillOpt = DEFAULT_PREFILL,
     prefilling: PrefillOptions = PrefillOptions(),
     max_kv: MaxKvOpt = None,
+    distributed: RpcOptions = RpcOptions(),
 ) -> None:
     """The interactive app: load a document or a set, ask, and watch which KV regions each step reads."""
     from kvlocal.docset import parse_size
@@ -314,7 +342,8 @@ def tui(
     from kvlocal.tui.app import run_app
 
     session_settings = {"n_ctx": ctx, "threads": threads, "kv_type": kv_type,
-                        "centroid_block": routing.centroid_block, "centroid_type": routing.centroid_type}
+                        "centroid_block": routing.centroid_block, "centroid_type": routing.centroid_type,
+                        "placement": distributed.config()}
     code = run_app(documents=documents or [], model=model, route=route_cfg, prefill=prefill_cfg,
                    max_tokens=max_tokens, session_settings=session_settings, max_kv=limit)
     if code:  # 130: interrupted (SIGINT or ctrl+c)

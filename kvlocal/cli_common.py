@@ -73,16 +73,17 @@ def check_lengths_fit(session, lengths: list[int]):
     return session
 
 
-def open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_BLOCK, centroid_type=None):
+def open_session(model, ctx, threads, kv_type, centroid_block=DEFAULT_CENTROID_BLOCK, centroid_type=None,
+                 placement=None):
     """The session of `model` (it loads a document, or a set through kvlocal.library); centroids of
-    `centroid_type`, or (None) the type of the model's route."""
+    `centroid_type`, or (None) the type of the model's route; layers on RPC servers by `placement`."""
     from kvlocal.progress import StatusLine, download_text
     from kvlocal.session import Session
 
     line = StatusLine()
     session = Session(
         model, n_ctx=ctx, threads=threads, kv_type=kv_type, centroid_block=centroid_block, centroid_type=centroid_type,
-        model_progress=lambda d, t, s: line.show(download_text(d, t, s)),
+        placement=placement, model_progress=lambda d, t, s: line.show(download_text(d, t, s)),
     )
     line.done()
     return session

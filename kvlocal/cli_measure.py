@@ -43,6 +43,7 @@ from kvlocal.cli_options import (
     ReferencesOpt,
     RegionOpt,
     RouteOptions,
+    RpcOptions,
     SeedsOpt,
     SetSeedOpt,
     SetsPerSeedOpt,
@@ -299,6 +300,7 @@ def bench_document(
     other_attention: OtherAttentionOpt = False,
     prefill_lengths: PrefillLengthsOpt = "8k,16k,32k",
     prefilling: PrefillOptions = PrefillOptions(),
+    distributed: RpcOptions = RpcOptions(),
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
     import json
@@ -314,7 +316,8 @@ def bench_document(
     prefill_cfg = prefilling.config("routed")
     if out:
         common.check_out_file(out)
-    session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+    session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
+                                  distributed.config())
     common.check_lengths_fit(session, context_lengths + prefill_context)
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log, controls=controls,
@@ -343,6 +346,7 @@ def bench_library(
     threads: ThreadsOpt = None,
     out: OutOpt = None,
     routing: RouteOptions = RouteOptions(),
+    distributed: RpcOptions = RpcOptions(),
 ) -> None:
     """Sets of N documents readied from their cached states, then decoded full and geometric back to back."""
     import json
@@ -358,7 +362,8 @@ def bench_library(
         raise UsageError("bench library benches one document length at a time; give one --lengths")
     if out:
         common.check_out_file(out)
-    session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+    session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
+                                  distributed.config())
     check_composable(session)
     common.check_lengths_fit(session, length_list)
     results = b.bench_library(session, size_list, length_list[0], route, n_tokens=tokens, seed=set_seed,

@@ -55,10 +55,12 @@ from kvlocal.route_settings import (
     MIN_CTX,
     SHORTLIST_AUTO,
 )
+from kvlocal.rpc import ENV_SERVERS
 
 ROUTING = "Routing"  # --help panel of the decode route's tuning
 PREFILL = "Prefill"  # --help panel of the routed prefill's tuning
 LIBRARY = "Library"  # --help panel of the library sets' own options (eval library, lab hints)
+DISTRIBUTED = "Distributed (RPC)"  # --help panel of the layers on llama.cpp RPC servers
 
 # -- everyday -----------------------------------------------------------------------------------
 
@@ -348,7 +350,45 @@ class LabOptions:
     sinks: SinksOpt = DEFAULT_SINKS
 
 
-OPTION_GROUPS = (RouteOptions, PrefillOptions, LabOptions)
+# -- past one machine: llama.cpp's RPC servers (kvlocal.rpc) ---------------------------------------
+
+RpcOpt = Annotated[Optional[str], typer.Option(
+    "--rpc", envvar=ENV_SERVERS, metavar="HOST:PORT[,...]", rich_help_panel=DISTRIBUTED,
+    help="llama.cpp RPC servers (`kvlocal rpc-server` on each machine) to hold some of the model's layers and "
+         "their KV cache; this machine holds the first layers. The protocol has no authentication: trusted "
+         f"networks only. Default: ${ENV_SERVERS}.")]
+TensorSplitOpt = Annotated[Optional[str], typer.Option(
+    "--tensor-split", metavar="HERE,S1[,S2...]", rich_help_panel=DISTRIBUTED, show_default="equal shares",
+    help="With --rpc: each machine's share of the layers (this one, then each server in --rpc's order), e.g. "
+         "1,2,2; the model's layers and its output layer are split in these proportions.")]
+
+RpcHostOpt = Annotated[str, typer.Option(
+    "--host", help="Address to listen on: loopback unless --allow-remote.")]
+RpcPortOpt = Annotated[int, typer.Option("--port", "-p", min=1, max=65535, help="Port to listen on.")]
+RpcMemOpt = Annotated[Optional[str], typer.Option(
+    "--mem", metavar="SIZE", show_default="no cap",
+    help="Most memory the server may allocate, e.g. 24GiB (its data segment, RLIMIT_DATA): a client whose layers "
+         "need more fails to load with an error. Clients split layers by --tensor-split, not by this.")]
+AllowRemoteOpt = Annotated[bool, typer.Option(
+    "--allow-remote", help="Listen on a non-loopback address (the protocol has no authentication: anyone who "
+                           "reaches the port can use this machine; trusted networks only).")]
+
+
+@dataclass(frozen=True)
+class RpcOptions:
+    """Where the model's layers (and their KV cache) go: here, or split with RPC servers."""
+
+    rpc: RpcOpt = None
+    tensor_split: TensorSplitOpt = None
+
+    def config(self):
+        """The core's Placement (None: every layer on this machine); UsageError on a bad list."""
+        from kvlocal.rpc import placement
+
+        return placement(self.rpc, self.tensor_split)
+
+
+OPTION_GROUPS = (RouteOptions, PrefillOptions, LabOptions, RpcOptions)
 
 
 def option_groups(command):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -26,7 +25,7 @@ from kvlocal.ggml_types import TYPE_IDS
 from kvlocal.gguf_header import GGUFInfo
 from kvlocal.ingest import KIND_BY_SUFFIX, Document, load_document
 from kvlocal.route_settings import ANSWER_RESERVE, COARSE_BLOCK, DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE
-from kvlocal.units import human_bytes
+from kvlocal.units import human_bytes, parse_bytes
 
 STDIN = "-"
 
@@ -42,8 +41,6 @@ TOKENS_PER_DOCUMENT = 128
 # scratch and the rest of the system need the remainder)
 DEFAULT_MAX_KV_SHARE = 0.5
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 @dataclass(frozen=True)
@@ -256,10 +253,9 @@ def default_max_kv(memory: int | None = None) -> int | None:
 
 def parse_size(text: str) -> int:
     """Bytes from a size such as `8GiB`, `8G`, `512M`, `1.5g` or `1000000` (binary units); UsageError otherwise."""
-    match = _SIZE.match(text)
-    if not match or (match.group(3) and match.group(3).lower() not in ("b", "ib")):
+    value = parse_bytes(text)
+    if value is None:
         raise UsageError(f"not a size: {text!r} (for example 8GiB, 512M or 2000000000)", setting="max_kv")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if value < 1:
         raise UsageError(f"the KV limit must be at least 1 byte (got {text!r})", setting="max_kv")
     return int(value)

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import numpy as np
 
 from kvlocal.errors import EngineError, UsageError
 from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
+from kvlocal.gguf_header import validate_gguf
 from kvlocal.patchset import repo_patchset_id
 from kvlocal.routing import ATTENTION_CODES, ReadStats, Route, RouteMode
 
@@ -103,7 +105,7 @@ def engine_info() -> EngineInfo:
         version=version,
         build_id=build_id,
         repo_patchset=repo_patchset_id(),
-        gpu_offload=bool(module.llama_supports_gpu_offload()),
+        gpu_offload=local_gpu(),
         system_info=module.llama_print_system_info().decode(errors="replace").strip(),
     )
 
@@ -237,6 +239,14 @@ def _ggml_devices_lib() -> ctypes.CDLL:
     return lib
 
 
+def _device_name(dev: int) -> str:
+    return _ggml_devices_lib().ggml_backend_dev_name(dev).decode(errors="replace")
+
+
+def _device_description(dev: int) -> str:
+    return _ggml_devices_lib().ggml_backend_dev_description(dev).decode(errors="replace").strip()
+
+
 def backend_devices() -> list[BackendDevice]:
     """The devices the engine's backends registered (ggml_backend_dev_*), in ggml's order: the ones
     llama.cpp offloads layers to come first, the CPU last."""
@@ -247,12 +257,18 @@ def backend_devices() -> list[BackendDevice]:
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         devices.append(BackendDevice(
-            name=lib.ggml_backend_dev_name(dev).decode(errors="replace"),
-            description=lib.ggml_backend_dev_description(dev).decode(errors="replace").strip(),
+            name=_device_name(dev),
+            description=_device_description(dev),
             kind=DEVICE_KINDS.get(lib.ggml_backend_dev_type(dev), "other"),
             memory_total=int(total.value),
         ))
     return devices
+
+
+def local_gpu() -> bool:
+    """This machine has a GPU the engine offloads to (llama_supports_gpu_offload also says yes for an
+    engine with the RPC backend, whose servers are no GPU of this machine's)."""
+    return any(dev.kind in ("gpu", "igpu") for dev in backend_devices())
 
 
 @functools.cache
@@ -441,28 +457,136 @@ _SEQUENCES_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _context_sequences(n_seq_max: int) -> Iterator[None]:
+def _llama_params(n_seq_max: int, devices: Sequence[int] | None) -> Iterator[None]:
     """While a Llama is built: its context parameters ask for `n_seq_max` sequences in one unified KV
-    cache (llama-cpp-python's Llama takes neither; it reads llama_context_default_params when built)."""
-    if n_seq_max <= 1:
+    cache, and its model parameters name the `devices` its offloaded layers go to (None: llama.cpp's
+    choice). llama-cpp-python's Llama takes neither; it reads llama_context_default_params and
+    llama_model_default_params when built."""
+    if n_seq_max <= 1 and devices is None:
         yield
         return
     bindings = llama_cpp().llama_cpp  # what llama_cpp.llama.Llama calls
+    device_list = None if devices is None else (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
 
     with _SEQUENCES_LOCK:
-        original = bindings.llama_context_default_params
+        context_defaults, model_defaults = bindings.llama_context_default_params, bindings.llama_model_default_params
 
         def with_sequences():
-            params = original()
-            params.n_seq_max = n_seq_max
-            params.kv_unified = True
+            params = context_defaults()
+            if n_seq_max > 1:
+                params.n_seq_max = n_seq_max
+                params.kv_unified = True
             return params
 
-        bindings.llama_context_default_params = with_sequences
+        def with_devices():
+            params = model_defaults()
+            if device_list is not None:
+                params.devices = ctypes.cast(device_list, ctypes.c_void_p)
+            return params
+
+        bindings.llama_context_default_params, bindings.llama_model_default_params = with_sequences, with_devices
         try:
             yield
         finally:
-            bindings.llama_context_default_params = original
+            bindings.llama_context_default_params, bindings.llama_model_default_params = context_defaults, model_defaults
+
+
+_LAYER_LINE = re.compile(r"layer\s+(\d+) assigned to device (\S+?),")
+
+
+@contextlib.contextmanager
+def _layer_log(found: dict[int, str]) -> Iterator[None]:
+    """While a model loads: the device llama.cpp assigns each layer to, from its own log lines
+    (`load_tensors: layer N assigned to device D`; layer n_layer is the output layer)."""
+    module = llama_cpp()
+
+    @module.llama_log_callback
+    def _keep(level, text, user_data):  # noqa: ARG001
+        match = _LAYER_LINE.search(text.decode(errors="replace")) if text else None
+        if match:
+            found[int(match.group(1))] = match.group(2)
+
+    module.llama_log_set(_keep, ctypes.c_void_p(0))
+    try:
+        yield
+    finally:
+        module.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+# -- llama.cpp's RPC backend (kvlocal.rpc probes the servers before they get here) ------------------
+
+def rpc_server_binary() -> Path:
+    """llama.cpp's ggml-rpc-server, built with this engine and installed beside its libraries."""
+    lib_dir = Path(llama_cpp().llama_cpp._lib._name).parent
+    path = lib_dir / ("ggml-rpc-server.exe" if os.name == "nt" else "ggml-rpc-server")
+    if not path.is_file():
+        raise EngineError(f"this engine was built without llama.cpp's RPC server ({path} is missing); {BUILD_HINT}")
+    return path
+
+
+@functools.cache
+def _rpc_lib() -> ctypes.CDLL:
+    """libggml with the backend registry's calls that reach the RPC backend."""
+    lib = _ggml_devices_lib()
+    for name, argtypes, restype in (
+        ("ggml_backend_reg_by_name", [ctypes.c_char_p], ctypes.c_void_p),
+        ("ggml_backend_reg_get_proc_address", [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p),
+        ("ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t),
+        ("ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p),
+        ("ggml_set_abort_callback", [ctypes.c_void_p], ctypes.c_void_p),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def rpc_devices(endpoints: Sequence[str]) -> list[int]:
+    """The devices of the RPC servers at `endpoints` ("host:port"), in order, as llama.cpp's
+    --rpc adds them (ggml_backend_rpc_add_server through the RPC backend's proc address). They are not
+    registered globally: only a context opened with them uses them."""
+    lib = _rpc_lib()
+    reg = lib.ggml_backend_reg_by_name(b"RPC")
+    if not reg:
+        raise EngineError(f"this engine was built without llama.cpp's RPC backend (GGML_RPC); {BUILD_HINT}")
+    add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(
+        lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server"))
+    devices = []
+    for endpoint in endpoints:
+        server = add_server(endpoint.encode())
+        if not server:
+            raise EngineError(f"RPC server {endpoint} offers no devices")
+        devices += [lib.ggml_backend_reg_dev_get(server, i) for i in range(lib.ggml_backend_reg_dev_count(server))]
+    return devices
+
+
+def layer_plan(n_layer: int, shares: Sequence[float]) -> tuple[int, list[float]]:
+    """llama.cpp's n_gpu_layers and tensor_split that give this machine and each RPC server its share
+    (`shares`: this machine's, then each server's) of a model's layers. llama.cpp splits the N layers
+    and the output layer (N + 1 places): the first n_layer + 1 - n_gpu_layers stay on the CPU here,
+    the rest go to the devices in tensor_split's proportions, in order."""
+    places = n_layer + 1
+    local = round(places * shares[0] / sum(shares))
+    return places - local, list(shares[1:])
+
+
+_ABORT_CALLBACK = None
+
+
+def exit_on_engine_abort(message: Callable[[str], str]) -> None:
+    """From now on a fatal engine error (GGML_ABORT: e.g. an RPC server that stopped answering in the
+    middle of a step, which ggml cannot recover from) prints `message(ggml's text)` as one line on
+    stderr and ends the process with exit status 1, instead of SIGABRT and a core dump. Nothing of
+    kvlocal's is half-written then: its cache writes are atomic."""
+    global _ABORT_CALLBACK
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+    def on_abort(text):
+        detail = (text or b"").decode(errors="replace").strip().split(": ", 1)[-1]  # drop ggml's file:line
+        os.write(2, (message(detail).replace("\n", " ") + "\n").encode())
+        os._exit(1)
+
+    _ABORT_CALLBACK = on_abort  # keep a reference: ggml holds the pointer
+    _rpc_lib().ggml_set_abort_callback(ctypes.cast(on_abort, ctypes.c_void_p))
 
 
 class EngineContext:
@@ -479,16 +603,26 @@ class EngineContext:
         self._llm = llm
         self.centroid_type = centroid_type  # the type its KV cache keeps the key centroids in
         self._vocab = llama_cpp().llama_model_get_vocab(llm.model)
+        self.layer_devices: list[str] = []  # the device of each layer, then the output layer's (llama.cpp's names)
+        self.device_labels: dict[str, str] = {}  # a device's name -> where it is ("this machine", host:port)
 
     @classmethod
     def open(cls, model_path: Path, *, n_batch: int, threads: int, kv_type: str, centroid_block: int,
-             centroid_type: str, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1) -> EngineContext:
+             centroid_type: str, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1,
+             rpc_servers: Sequence[str] = (), rpc_shares: Sequence[float] = ()) -> EngineContext:
         """Load the model at `model_path` with a context of `n_ctx` cells; with `n_seq_max` > 1 the context
         holds that many sequences in one unified KV cache (one stream: copying a sequence shares its
-        cells), which Llama's constructor cannot ask for."""
+        cells), which Llama's constructor cannot ask for. With `rpc_servers` ("host:port", kvlocal.rpc
+        probes them first) the model's layers and their KV cache are split over this machine and those
+        servers by `rpc_shares` (this machine's first: layer_plan)."""
         module = llama_cpp()
-        gpu = bool(module.llama_supports_gpu_offload())
-        with _context_sequences(n_seq_max):
+        devices, split = None, {"n_gpu_layers": -1 if local_gpu() else 0}
+        if rpc_servers and not vocab_only:
+            devices = rpc_devices(rpc_servers)
+            n_gpu_layers, shares = layer_plan(validate_gguf(model_path).n_layer or 0, rpc_shares)
+            split = {"n_gpu_layers": n_gpu_layers, "tensor_split": shares}
+        layers: dict[int, str] = {}
+        with _llama_params(n_seq_max, devices), _layer_log(layers):
             try:
                 llm = module.Llama(
                     model_path=str(model_path),
@@ -498,7 +632,7 @@ class EngineContext:
                     n_ubatch=n_batch,
                     n_threads=threads,
                     n_threads_batch=threads,
-                    n_gpu_layers=-1 if gpu else 0,
+                    **split,
                     flash_attn=True,  # routed decoding needs the non-transposed V cache
                     type_k=KV_TYPES[kv_type],
                     type_v=KV_TYPES[kv_type],
@@ -508,7 +642,15 @@ class EngineContext:
                 )
             except (ValueError, RuntimeError) as err:
                 raise EngineError(f"llama.cpp could not load {model_path.name}: {err}") from None
-        return cls(llm, centroid_type)
+        context = cls(llm, centroid_type)
+        context.layer_devices = [layers[i] for i in sorted(layers)]
+        context.device_labels = {"CPU": "this machine"} | {
+            _device_name(dev): _device_description(dev) for dev in (devices or [])}
+        return context
+
+    def close(self) -> None:
+        """Free the model and its context now (an RPC server's buffers and connection with them)."""
+        self._llm.close()
 
     # -- the model ------------------------------------------------------------------------
 

@@ -96,6 +96,11 @@ def answer_summary(s: AnswerSummary) -> str:
     if s.layers and s.model_layers > s.layers:
         lines.append(f"layers: {s.layers_routed} of the model's {s.model_layers} routed: its {s.layers} attention "
                      f"layers; the other {s.model_layers - s.layers} are recurrent and read no KV (not counted)")
+    if s.placement:
+        lines.append(s.placement)
+        if s.n_answer_tokens and (s.wire_sent or s.wire_received):
+            lines.append(f"over the wire (RPC), per answer step: {human_bytes(s.wire_sent / s.n_answer_tokens)} sent, "
+                         f"{human_bytes(s.wire_received / s.n_answer_tokens)} received")
     if s.hint_cells:
         n_regions = len({c // s.route.region for c in s.hint_cells})
         lines.append(f"text hints: {n_regions} region{'s' if n_regions != 1 else ''} holding the question's "

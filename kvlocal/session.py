@@ -22,7 +22,7 @@ import numpy as np
 
 from kvlocal import kvstate
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, ReadTotals
-from kvlocal.engine import EngineContext, require_patched
+from kvlocal.engine import EngineContext, exit_on_engine_abort, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
 from kvlocal.hints import TextIndex, hint_cells
@@ -40,6 +40,7 @@ from kvlocal.route_settings import (
     ModelRoute,
     model_route,
 )
+from kvlocal.rpc import Placement, check_servers, describe_layers, server_gone, wire_bytes
 from kvlocal.routing import (
     MODEL_ROUTE, PrefillConfig, ReadStats, Route, RouteConfig, RouteFacts, check_centroid_block, check_centroid_type,
     check_region_block, resolve_route,
@@ -120,6 +121,7 @@ class Session:
         centroid_block: int = DEFAULT_CENTROID_BLOCK,
         centroid_type: str | None = None,
         model_progress: Callable[[int, int, str], None] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         if kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
@@ -129,6 +131,12 @@ class Session:
         if threads is not None and not 1 <= threads <= MAX_THREADS:
             raise UsageError(f"the thread count must be between 1 and {MAX_THREADS} (got {threads})", setting="threads")
         self.engine = require_patched()
+        # layers and their KV on RPC servers (kvlocal.rpc): each probed now, so that an unreachable one
+        # or another protocol is one line before any loading
+        self.placement = placement
+        if placement is not None:
+            check_servers(placement)
+            exit_on_engine_abort(lambda detail: server_gone(detail, placement.servers))
         self.model: ResolvedModel = resolve_model(model, progress=model_progress)
         self.kv_type = kv_type
         self.n_batch = n_batch
@@ -172,7 +180,19 @@ class Session:
         """An engine context of this session's model and settings (EngineContext.open)."""
         return EngineContext.open(self.model.path, vocab_only=vocab_only, n_ctx=n_ctx, n_seq_max=n_seq_max,
                                   n_batch=self.n_batch, threads=self.threads, kv_type=self.kv_type,
-                                  centroid_block=self.centroid_block, centroid_type=self.centroid_type)
+                                  centroid_block=self.centroid_block, centroid_type=self.centroid_type,
+                                  rpc_servers=[str(e) for e in self.placement.servers] if self.placement else (),
+                                  rpc_shares=self.placement.shares if self.placement else ())
+
+    def _wire_bytes(self) -> tuple[int, int]:
+        """(sent, received) bytes over the RPC servers' connections so far; (0, 0) without servers."""
+        return wire_bytes(self.placement.servers) if self.placement else (0, 0)
+
+    def layer_placement(self) -> str:
+        """Which machine holds which layers (and their KV) of the loaded context; '' when all are here."""
+        if self.placement is None or self.context is None or not self.context.layer_devices:
+            return ""
+        return describe_layers(self.context.layer_devices, self.context.device_labels)
 
     @property
     def prefix_cells(self) -> int:
@@ -611,13 +631,15 @@ class Session:
                     f"tokens of context left after the document; a larger context leaves more room", setting="ctx")
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
-            summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, model_layers=self.n_layer)
+            summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, model_layers=self.n_layer,
+                                    placement=self.layer_placement())
             self._read_question(q_tokens, route, summary, want_regions)
             summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
             rng = np.random.default_rng(seed)
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             pieces: list[str] = []
             stops, recent = self.parts.stops, ""
+            wire = self._wire_bytes()
             start = time.perf_counter()
             try:
                 for _ in range(max_tokens):
@@ -646,6 +668,7 @@ class Session:
                 pieces.append(tail)
                 yield AnswerPiece(tail, -1, None)
             summary.decode_seconds = time.perf_counter() - start
+            summary.wire_sent, summary.wire_received = (b - a for a, b in zip(wire, self._wire_bytes()))
             summary.text = "".join(pieces)
             summary.context_full = capped and summary.n_answer_tokens == max_tokens
             return summary

@@ -104,3 +104,13 @@ def test_the_vulkan_build_stops_early_on_headers_older_than_ggml_vulkan_needs(bu
     for minor, patch in ((3, 272), (4, 309)):
         monkeypatch.setenv("VULKAN_SDK", str(vulkan_sdk(tmp_path, patch, minor)))
         build_engine.check_vulkan_headers()
+
+
+def test_the_cpu_engine_has_the_rpc_backend_and_its_server(build_engine):
+    """GGML_RPC=ON and ggml-rpc-server in the same CMake configuration (vendor/rpc_server.cmake), CPU only."""
+    cpu = build_engine.cmake_args("cpu", None, "abc")
+    assert "-DGGML_RPC=ON" in cpu
+    [hook] = [a for a in cpu if a.startswith("-DCMAKE_PROJECT_llama_cpp_INCLUDE=")]
+    hook_file = Path(hook.split("=", 1)[1])
+    assert hook_file.is_file() and "ggml-rpc-server" in hook_file.read_text()
+    assert not any("RPC" in a or "INCLUDE" in a for a in build_engine.cmake_args("cuda", "90", "abc"))

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from kvlocal import cli, cli_common, cli_measure, cli_options
 from kvlocal.cli import app
-from kvlocal.cli_options import PREFILL, ROUTING, PrefillOptions, RouteOptions
+from kvlocal.cli_options import DISTRIBUTED, PREFILL, ROUTING, PrefillOptions, RouteOptions
 from kvlocal.errors import UsageError
 
 # every command with options: the measuring ones by their group and command (`eval grid`: what `eval` runs)
@@ -65,8 +65,9 @@ def test_ask_help_shows_the_everyday_options_first_then_routing_then_prefill():
     result = run("ask", "--help")
     assert result.exit_code == 0, result.output
     shown = panels(result.output)
-    assert list(shown) == ["Arguments", "Options", ROUTING, PREFILL]
+    assert list(shown) == ["Arguments", "Options", ROUTING, PREFILL, DISTRIBUTED]
     assert len(shown["Options"]) <= 10, shown["Options"]
+    assert set(shown[DISTRIBUTED]) == {"--rpc", "--tensor-split"}
     assert {"--model", "--max-tokens", "--route", "--no-cache", "--ctx", "--threads"} <= set(shown["Options"])
     assert set(shown[ROUTING]) == ROUTING_OPTIONS
     assert set(shown[PREFILL]) == PREFILL_OPTIONS

@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-from synth_gguf import write_tiny_qwen2
 
 from kvlocal import docset
 from kvlocal.docset import (

@@ -29,7 +29,6 @@ from kvlocal.evals.library_cases import (
 from kvlocal.evals.library_runner import ALONE, CONCAT, SET, LibraryConfig, answer_key, library_row
 from kvlocal.evals.runner import load_rows as load_any_rows
 from kvlocal.evals.tasks import ONEKEY_SHAPES, score
-from kvlocal.errors import ContextOverflowError
 
 
 def load_rows(path):

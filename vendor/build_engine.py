@@ -266,6 +266,10 @@ def cmake_args(backend: str, cuda_arch: str | None, set_id: str) -> list[str]:
         # backend too (the fallback for ops Vulkan lacks, and test-backend-ops' reference).
         flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
         args += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
+    if backend == "cpu":
+        # the RPC backend (layers, their weights and KV on other machines) and its server, ggml-rpc-server,
+        # built in the same configuration and installed in llama_cpp/lib (vendor/rpc_server.cmake)
+        args += ["-DGGML_RPC=ON", f"-DCMAKE_PROJECT_llama_cpp_INCLUDE={VENDOR / 'rpc_server.cmake'}"]
     if backend == "cuda":
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch or 'native'}"]
     elif backend == "metal":

@@ -25,6 +25,11 @@ class DecodeRun:
     bytes_read: int
     bytes_dense: int
     route: str = ""  # the route the answer took (a set of documents may take its own: routing.resolve_route)
+    wire_bytes: int = 0  # bytes sent and received over the RPC servers' connections by the answer's steps
+
+    @property
+    def wire_per_step(self) -> float:
+        return self.wire_bytes / self.tokens if self.tokens else 0.0
 
     @property
     def rate(self) -> float:
@@ -55,7 +60,8 @@ def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, 
     for _ in range(repeats):
         summary = session.answer(question, route=route, max_tokens=n_tokens)
         run = DecodeRun(route.mode, summary.n_answer_tokens, summary.decode_seconds,
-                        summary.bytes_read, summary.bytes_dense, summary.route.describe())
+                        summary.bytes_read, summary.bytes_dense, summary.route.describe(),
+                        summary.wire_sent + summary.wire_received)
         if best is None or run.rate > best.rate:
             best = run
     return best
@@ -247,6 +253,7 @@ def machine_fields(session: Session) -> dict:
         "device": device.description if device else "",
         "weights": session.model.info.weight_type,
         "weights_bytes": session.model.info.file_size,
+        **({"placement": placement} if (placement := session.layer_placement()) else {}),
     }
 
 
@@ -264,6 +271,8 @@ def length_fields(result: LengthResult, weights_bytes: int) -> dict:
             row[f"{mode}_tps"] = run.rate
             row[f"{mode}_speedup"] = run.rate / full.rate if full.rate else 0.0
             row[f"{mode}_ceiling"] = read_ceiling(weights_bytes, run, full)
+    if full.wire_bytes or geo.wire_bytes:  # layers on RPC servers: what crossed the wire per answer step
+        row["full_wire_per_step"], row["geometric_wire_per_step"] = full.wire_per_step, geo.wire_per_step
     if PLAIN_LOOP in result.runs:
         row["plain_loop_tps"] = result.runs[PLAIN_LOOP].rate
         row["full_vs_plain_loop"] = full.rate / row["plain_loop_tps"] if row["plain_loop_tps"] else 0.0

@@ -570,10 +570,13 @@ def decode_table(report: dict) -> str:
     rows = report["lengths"]
     controls = [m for m in (*ATTENTION_LABELS, "window", "random") if rows and f"{m}_tps" in rows[0]]
     plain = bool(rows) and "plain_loop_tps" in rows[0]
+    wire = bool(rows) and "full_wire_per_step" in rows[0]
     head = ["context", "KV bytes", "full tok/s", "geometric tok/s", "speedup (ceiling)", "KV bytes read, reduction"]
     head += [f"{ATTENTION_LABELS.get(m, m)} tok/s (x full)" for m in controls] + (["llama.cpp loop tok/s (full / it)"] if plain else [])
+    head += ["RPC wire bytes per step, full / geometric"] if wire else []
     lines = [f"model {report['model']} ({report.get('weights', '?')}), {report.get('backend', 'CPU')} "
              f"{report.get('device', '')}".rstrip() + f", {report['threads']} threads, route {report['route']}",
+             *([report["placement"]] if report.get("placement") else []),
              "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         cells = [f"{r['n_tokens']:,}", human_bytes(r["kv_bytes"]), f"{r['full_tps']:.2f}", f"{r['geometric_tps']:.2f}",
@@ -581,6 +584,8 @@ def decode_table(report: dict) -> str:
         cells += [f"{r[f'{m}_tps']:.2f} ({r[f'{m}_speedup']:.2f}x)" for m in controls]
         if plain:
             cells.append(f"{r['plain_loop_tps']:.2f} ({r['full_vs_plain_loop']:.2f}x)")
+        if wire:
+            cells.append(f"{human_bytes(r['full_wire_per_step'])} / {human_bytes(r['geometric_wire_per_step'])}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -290,7 +290,6 @@ RULES: dict[str, Rule] = {
     "two64/8x16+qm3": question_pin_rule(_default_scoring(16), 3),
     "two64/8x16+qm4": question_pin_rule(_default_scoring(16), 4),
     "two64/8x32+qm2": question_pin_rule(_default_scoring(32), 2),
-    "two64/8x64+qm2": question_pin_rule(_default_scoring(64), 2),
     "two64/8x128+qm2": question_pin_rule(_default_scoring(128), 2),
     "two64/8x64q8+qm2": question_pin_rule(_default_scoring(64, "q8_0"), 2),
     # references: exact q.k of every token, max-pooled (reads all of K), and the regions that hold
