@@ -17,7 +17,7 @@ pytestmark = pytest.mark.engine
 
 from kvlocal.engine import EngineContext, SequenceStep, decode_batch, llama_cpp  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
-from kvlocal.routing import Fallback, RouteConfig  # noqa: E402
+from kvlocal.routing import Fallback, Route  # noqa: E402
 
 R = 64  # cells per region
 N_LAYER, N_HEAD_KV, HEAD_DIM = 2, 2, 16  # the tiny qwen2
@@ -28,7 +28,7 @@ STEP_REGION = sum(DOC_REGIONS.values())  # the region the answer steps' cells la
 FIXED = 3  # each sequence's first region (its sink) and the last two it sees (its window)
 # keep and pins follow one sequence: a multi-sequence ubatch reads neither, so the routes compared
 # with decoding alone go without them
-GEOMETRIC = RouteConfig(mode="geometric", top_k=2, region=R, shortlist=0, keep=0.0, pin=0)
+GEOMETRIC = Route(mode="geometric", top_k=2, region=R, shortlist=0, keep=0.0, pin=0)
 
 
 def doc_regions(seq: int) -> list[int]:
@@ -58,7 +58,7 @@ def steps_of(tokens: dict[int, int]) -> list[SequenceStep]:
 STEPS = steps_of({0: 5, 1: 17, 2: 42})
 
 
-def decode(ctx: EngineContext, route: RouteConfig, steps: list[SequenceStep]):
+def decode(ctx: EngineContext, route: Route, steps: list[SequenceStep]):
     """Decode `steps` together under `route`: (logits, read stats); the steps' cells removed after."""
     ctx.apply_route(route)
     try:
@@ -69,7 +69,7 @@ def decode(ctx: EngineContext, route: RouteConfig, steps: list[SequenceStep]):
             ctx.remove_positions(step.seq, step.pos, -1)
 
 
-def alone(ctx: EngineContext, route: RouteConfig, steps: list[SequenceStep]):
+def alone(ctx: EngineContext, route: Route, steps: list[SequenceStep]):
     """Each step decoded by itself: (logits, read stats) per step."""
     return [decode(ctx, route, [step]) for step in steps]
 
@@ -100,8 +100,8 @@ def test_each_sequence_routes_its_own_regions_with_exact_counts(ctx):
 
 
 def test_no_sequence_gathers_a_region_of_another_sequences_document(ctx):
-    for route in (GEOMETRIC, RouteConfig(mode="geometric", top_k=64, region=R, shortlist=0, keep=0.0, pin=0),
-                  RouteConfig(mode="random", top_k=3, region=R, seed=5, keep=0.0, pin=0)):
+    for route in (GEOMETRIC, Route(mode="geometric", top_k=64, region=R, shortlist=0, keep=0.0, pin=0),
+                  Route(mode="random", top_k=3, region=R, seed=5, keep=0.0, pin=0)):
         _, st = decode(ctx, route, STEPS)
         for seq, own in st.sequences.items():
             gathered = {r for layer in regions_read(own) for head in layer for r in head}
@@ -114,10 +114,10 @@ def test_no_sequence_gathers_a_region_of_another_sequences_document(ctx):
 
 def test_every_region_selected_is_each_sequences_dense_attention(ctx):
     """The every-region oracle, per sequence: top-k covering every candidate reproduces dense."""
-    dense, st_dense = decode(ctx, RouteConfig(mode="full"), STEPS)
-    every, st_every = decode(ctx, RouteConfig(mode="geometric", top_k=64, region=R, shortlist=0, keep=0.0, pin=0),
+    dense, st_dense = decode(ctx, Route(mode="full"), STEPS)
+    every, st_every = decode(ctx, Route(mode="geometric", top_k=64, region=R, shortlist=0, keep=0.0, pin=0),
                              STEPS)
-    small, _ = decode(ctx, RouteConfig(mode="geometric", top_k=1, region=R, shortlist=0, keep=0.0, pin=0), STEPS)
+    small, _ = decode(ctx, Route(mode="geometric", top_k=1, region=R, shortlist=0, keep=0.0, pin=0), STEPS)
     assert st_dense.sequences == {} and st_every.fallback == Fallback.OK
     for seq, (d, e, s) in enumerate(zip(dense, every, small)):
         diff = float(np.max(np.abs(d - e)))
@@ -129,9 +129,9 @@ def test_every_region_selected_is_each_sequences_dense_attention(ctx):
 
 @pytest.mark.parametrize("route", [
     GEOMETRIC,
-    RouteConfig(mode="geometric", top_k=2, region=R, shortlist=6, keep=0.0, pin=0, layer_top_k="1=4"),
-    RouteConfig(mode="window", top_k=3, region=R, keep=0.0, pin=0),
-    RouteConfig(mode="random", top_k=3, region=R, seed=11, keep=0.0, pin=0),
+    Route(mode="geometric", top_k=2, region=R, shortlist=6, keep=0.0, pin=0, layer_top_k="1=4"),
+    Route(mode="window", top_k=3, region=R, keep=0.0, pin=0),
+    Route(mode="random", top_k=3, region=R, seed=11, keep=0.0, pin=0),
 ], ids=["geometric", "shortlist-budgets", "window", "random"])
 def test_together_is_each_sequence_alone(ctx, route):
     together, st = decode(ctx, route, STEPS)
@@ -146,7 +146,7 @@ def test_together_is_each_sequence_alone(ctx, route):
 
 
 def test_budgets_per_layer_count_per_sequence(ctx):
-    _, st = decode(ctx, RouteConfig(mode="geometric", top_k=2, region=R, shortlist=0, keep=0.0, pin=0,
+    _, st = decode(ctx, Route(mode="geometric", top_k=2, region=R, shortlist=0, keep=0.0, pin=0,
                                     layer_top_k="1=4"), STEPS)
     for own in st.sequences.values():
         assert own.n_sel == FIXED + 4
@@ -157,7 +157,7 @@ def test_budgets_per_layer_count_per_sequence(ctx):
 def test_two_of_three_sequences_and_a_sequence_of_few_regions(ctx):
     """Any subset of the sequences decodes together; a short sequence routes the candidates it has."""
     steps = steps_of({2: 9, 0: 3})
-    _, st = decode(ctx, RouteConfig(mode="geometric", top_k=16, region=R, shortlist=0, keep=0.0, pin=0), steps)
+    _, st = decode(ctx, Route(mode="geometric", top_k=16, region=R, shortlist=0, keep=0.0, pin=0), steps)
     assert sorted(st.sequences) == [0, 2]
     # sequence 2 has 10 candidates, sequence 0 has 22: each reads min(top_k, its candidates)
     assert st.sequences[2].n_sel == FIXED + 10 and st.sequences[0].n_sel == FIXED + 16

@@ -31,7 +31,7 @@ from synth_gguf import write_tiny_qwen2  # noqa: E402
 from kvlocal import kvstate  # noqa: E402
 from kvlocal.engine import EngineContext, layer_plan  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
-from kvlocal.routing import RouteConfig  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
 from kvlocal.rpc import RPC_PROTOCOL, Endpoint, RpcError, check_bind, placement, probe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,8 +105,8 @@ def open_context(model: Path, place=None) -> EngineContext:
                               n_ctx=2048, rpc_servers=servers, rpc_shares=shares)
 
 
-ROUTES = (RouteConfig(mode="full"), RouteConfig(mode="geometric", top_k=1000, region=64, shortlist=0),
-          RouteConfig(mode="geometric", top_k=1, region=64, shortlist=0))
+ROUTES = (Route(mode="full"), Route(mode="geometric", top_k=1000, region=64, shortlist=0),
+          Route(mode="geometric", top_k=1, region=64, shortlist=0))
 
 
 def oracle_runs(model: Path, place=None):
