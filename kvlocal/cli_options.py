@@ -95,7 +95,10 @@ LengthsOpt = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g
 DepthsOpt = Annotated[int, typer.Option(
     "--depths", min=2, max=MAX_DEPTHS, help="Facts per haystack, planted from 0% to 100% depth (the lab leaves out "
     "facts in the sinks or the window).")]
-TasksOpt = Annotated[str, typer.Option("--tasks", help="passkey,multikey,lookalike,onekey,multivalue,multiquery,vartrack,cwe")]
+TasksOpt = Annotated[str, typer.Option("--tasks", help=(
+    "Comma-separated. eval grid and the lab: passkey,multikey,lookalike,onekey,multivalue,multiquery,vartrack,cwe; "
+    "eval ruler: all, or niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, vt, cwe, fwe, "
+    "qa_1, qa_2."))]
 SeedsOpt = Annotated[str, typer.Option("--seeds", help="Haystack seeds.")]
 ModesOpt = Annotated[str, typer.Option("--modes", help="Routing modes to compare.")]
 SweepOpt = Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")]

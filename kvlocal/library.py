@@ -36,7 +36,7 @@ from kvlocal.layout import DocumentLayout, DocumentSpan
 from kvlocal.prompt import Segment
 from kvlocal.route_settings import SET_LAYOUT_UNIT
 from kvlocal.routing import PrefillConfig
-from kvlocal.session import ANSWER_RESERVE, CTX_ROUND, LoadResult, PrefillProgress, Session
+from kvlocal.session import ANSWER_RESERVE, LoadResult, PrefillProgress, Session
 
 LAYOUT_UNIT = SET_LAYOUT_UNIT  # cells the head and each body are padded to: every body starts on a region boundary
 LAYOUT_TAG = f"library-u{LAYOUT_UNIT}"  # a body state's prefill tag (the key's layout)
@@ -193,7 +193,7 @@ def _set_layout(session: Session, documents: Sequence[Document], planned: SetCel
         raise ContextOverflowError(
             f"the set's {n_cells:,} tokens at consecutive positions need {n_cells + ANSWER_RESERVE:,} with room "
             f"for a question and answer, over the model's trained context {trained:,}")
-    n_ctx = -(-(n_cells + ANSWER_RESERVE) // CTX_ROUND) * CTX_ROUND
+    n_ctx = session.cells_for(n_cells)
     if requested is not None:
         if requested < n_cells + ANSWER_RESERVE:
             raise ContextOverflowError(

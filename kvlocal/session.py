@@ -47,6 +47,7 @@ from kvlocal.routing import (
 )
 
 CTX_ROUND = 256
+MAX_ANSWERS = 64  # answers one context decodes together (kvlocal.batch)
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class Session:
         centroid_type: str | None = None,
         model_progress: Callable[[int, int, str], None] | None = None,
         placement: Placement | None = None,
+        answers: int = 1,
     ) -> None:
         if kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {kv_type!r}; choose one of {', '.join(KV_TYPES)}")
@@ -130,6 +132,12 @@ class Session:
             check_centroid_type(centroid_type)
         if threads is not None and not 1 <= threads <= MAX_THREADS:
             raise UsageError(f"the thread count must be between 1 and {MAX_THREADS} (got {threads})", setting="threads")
+        if not 1 <= answers <= MAX_ANSWERS:
+            raise UsageError(f"answers decoded together must be between 1 and {MAX_ANSWERS} (got {answers})",
+                             setting="answers")
+        # answers decoded together (kvlocal.batch): each its own sequence beside the document's, with
+        # its own answer room in the context's cells
+        self.answers = answers
         self.engine = require_patched()
         # layers and their KV on RPC servers (kvlocal.rpc): each probed now, so that an unreachable one
         # or another protocol is one line before any loading
@@ -178,6 +186,8 @@ class Session:
 
     def _open_context(self, *, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1) -> EngineContext:
         """An engine context of this session's model and settings (EngineContext.open)."""
+        if not vocab_only and self.answers > 1:
+            n_seq_max = max(n_seq_max, 1 + self.answers)  # the document's sequence and one per answer
         return EngineContext.open(self.model.path, vocab_only=vocab_only, n_ctx=n_ctx, n_seq_max=n_seq_max,
                                   n_batch=self.n_batch, threads=self.threads, kv_type=self.kv_type,
                                   centroid_block=self.centroid_block, centroid_type=self.centroid_type,
@@ -227,7 +237,15 @@ class Session:
                 f"but the context holds {limit:,}{hint}", setting="ctx" if larger else None)
         if self.requested_ctx is not None:
             return self.requested_ctx
-        return min(self.trained_ctx, -(-needed // CTX_ROUND) * CTX_ROUND)
+        cells = self.cells_for(n_tokens)
+        return min(self.trained_ctx, cells) if self.answers == 1 else cells
+
+    def cells_for(self, n_cells: int) -> int:
+        """The context's cells for a prefix of `n_cells`: the answer room of one answer, or of each
+        answer decoded together (each sequence has its own positions: the trained context bounds
+        positions, not cells), rounded up."""
+        needed = n_cells + ANSWER_RESERVE * self.answers
+        return -(-needed // CTX_ROUND) * CTX_ROUND
 
     def state_key(self, text: str, n_ctx: int, prefill_tag: str = "dense", *,
                   dense: bool | None = None) -> kvstate.StateKey:
@@ -529,6 +547,18 @@ class Session:
         pieces = {t: self.vocab.detokenize([t], special=True) for t in set(tokens)}
         return [pieces[t] for t in tokens]
 
+    def resolve_answer_route(self, question: str, asked: RouteConfig | Route | None = None,
+                             n_documents: int | None = None) -> Route:
+        """The route an answer to `question` takes over the loaded documents (resolve_route with the
+        prefix's cells and the question's hints), as `ask` resolves it."""
+        facts = RouteFacts(n_documents or self.n_documents, self.prefix_cells, self._hint_finder(question))
+        return resolve_route(asked or MODEL_ROUTE, self.calibrated_route, facts)
+
+    def rewind(self) -> None:
+        """Drop the previous question and answer of the document's own sequence (kvlocal.batch starts so)."""
+        with self._lock:
+            self._rewind()
+
     def _hint_finder(self, question: str):
         """The question's hints in the loaded prefix (RouteFacts.find_hints): its text indexed on first use."""
         def find(n: int, region: int, skip_regions: int) -> list[int]:
@@ -618,8 +648,7 @@ class Session:
         context = self.context
         with self._lock:
             self._rewind()
-            facts = RouteFacts(n_documents, self.prefix_cells, self._hint_finder(question))
-            route = resolve_route(asked, self.calibrated_route, facts)
+            route = self.resolve_answer_route(question, asked, n_documents)
             if not context.set_hints(route.hint_cells) and route.hint_cells:
                 raise EngineError("the engine did not take the route hints")
             context.apply_route(route)

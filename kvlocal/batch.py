@@ -1,0 +1,201 @@
+"""Several answers about the loaded documents, decoded together.
+
+An `AnswerBatch` holds up to `Session.answers` answers at once. Each answer is its own sequence of
+the context: the document's cells (sequence 0) are shared with it, its question is read into it,
+and every `step()` decodes one token of every open answer in one llama_decode, the engine routing
+each sequence over the cells it sees (patch 0017): the documents' and its own question and answer,
+never another answer's. Answers join between steps and leave when they end (their cells dropped).
+
+What differs from `Session.ask`: while more than one answer is open a step reads with no selection
+memory and no pins (they follow one sequence: the engine leaves them out of a step of several), and
+the question hints of every open answer are set at once (each answer may also read the others'
+hinted regions, of the same documents). With one answer open a step is routed as `ask` routes it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlocal.answer import AnswerPiece, AnswerSummary
+from kvlocal.engine import SequenceStep
+from kvlocal.errors import ContextOverflowError, UsageError
+from kvlocal.routing import ReadStats, Route, RouteConfig
+from kvlocal.session import Session, _sample, check_ask_settings
+
+
+@dataclass
+class _Open:
+    """One answer being decoded: its sequence, where it goes on, and what it has so far."""
+
+    seq: int
+    pos: int
+    reserved: int  # cells kept for it: its question and its most answer tokens
+    max_tokens: int
+    temperature: float
+    rng: np.random.Generator
+    cancel: threading.Event | None
+    summary: AnswerSummary
+    logits: np.ndarray
+    want_regions: bool
+    started: float
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    pieces: list[str] = field(default_factory=list)
+    recent: str = ""
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step gave an answer: a piece (None when it ended before decoding one), and its
+    summary once it has ended (its sequence is free again)."""
+
+    answer: int  # the handle `add` returned
+    piece: AnswerPiece | None
+    summary: AnswerSummary | None = None
+
+
+class AnswerBatch:
+    """Answers decoded together over the session's loaded documents (see the module's docstring)."""
+
+    def __init__(self, session: Session, route: RouteConfig | Route | None = None) -> None:
+        if session.context is None or session.n_prefix == 0:
+            raise UsageError("no document is loaded")
+        if session.answers < 2:
+            raise UsageError("the session decodes one answer at a time (Session(answers=N) for more)")
+        if session.state_rewinds:
+            raise UsageError("a model with recurrent layers keeps one state per sequence: it answers one question at a time")
+        self.session = session
+        self.context = session.context
+        self.asked = route
+        self.open: dict[int, _Open] = {}
+        self._free = list(range(session.answers, 0, -1))  # sequence ids; 0 is the documents'
+        self._hints: dict[int, tuple[int, ...]] = {}
+        session.rewind()  # sequence 0: the documents only, shared as they are with each answer
+
+    @property
+    def room(self) -> int:
+        """Cells not yet kept for an open answer."""
+        return self.context.n_ctx - self.session.prefix_cells - sum(a.reserved for a in self.open.values())
+
+    def can_take(self, question_tokens: int, max_tokens: int) -> bool:
+        return bool(self._free) and self.room >= question_tokens + max_tokens
+
+    def question_tokens(self, question: str) -> list[int]:
+        session = self.session
+        return session.tokenize_prompt(session.parts.question_segments(question), bos=False)
+
+    def add(self, question: str, *, max_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
+            want_regions: bool = False, cancel: threading.Event | None = None) -> int:
+        """Read `question` into a free sequence (one batch, as the route's `question` says) and open its
+        answer; the handle it returns names the answer in `step()`'s results. ContextOverflowError when
+        no sequence or too few cells are free (an answer ending frees them)."""
+        session, context = self.session, self.context
+        check_ask_settings(question, max_tokens, temperature, seed)
+        q_tokens = self.question_tokens(question)
+        if not self.can_take(len(q_tokens), max_tokens):
+            raise ContextOverflowError(f"no room for another answer: {len(self.open)} open, {self.room:,} cells free")
+        route = session.resolve_answer_route(question, self.asked)
+        seq = self._free.pop()
+        self._hints[seq] = tuple(route.hint_cells)
+        self._set_hints()
+        context.copy_sequence(0, seq)
+        summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, model_layers=session.n_layer,
+                                placement=session.layer_placement())
+        logits = self._read_question(seq, q_tokens, route, summary, want_regions)
+        summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
+        self.open[seq] = _Open(seq, session.n_prefix + len(q_tokens), len(q_tokens) + max_tokens, max_tokens,
+                               temperature, np.random.default_rng(seed), cancel, summary, logits, want_regions,
+                               time.perf_counter())
+        return seq
+
+    def _read_question(self, seq: int, q_tokens: list[int], route: Route, summary: AnswerSummary,
+                       want_regions: bool) -> np.ndarray:
+        context, pos = self.context, self.session.n_prefix
+        if route.question == "steps":
+            context.apply_route(route)
+            for i, token in enumerate(q_tokens):
+                logits = context.decode_sequence(seq, [token], pos + i)
+                self._count(summary, context.read_stats(with_regions=want_regions), seq)
+            return logits
+        context.apply_route(route, batch_top_k=route.question_batch_top_k)
+        try:
+            logits = context.decode_sequence(seq, q_tokens, pos)
+            self._count(summary, context.read_stats(with_regions=want_regions), seq)
+        finally:
+            context.apply_route(route)
+        return logits
+
+    @staticmethod
+    def _count(summary: AnswerSummary, stats: ReadStats | None, seq: int) -> ReadStats | None:
+        own = stats.sequences.get(seq, stats) if stats is not None and stats.sequences else stats
+        if own is not None:
+            summary.add(own)
+        return own
+
+    def _set_hints(self) -> None:
+        cells = sorted({c for hints in self._hints.values() for c in hints})
+        if not self.context.set_hints(cells) and cells:
+            from kvlocal.errors import EngineError
+
+            raise EngineError("the engine did not take the route hints")
+
+    def step(self) -> list[Step]:
+        """One token of every open answer, decoded in one batch. An answer that ends (its end token,
+        a stop, its most tokens, or its `cancel` set) comes back with its summary and leaves the batch."""
+        results: list[Step] = []
+        steps: list[tuple[_Open, int, str]] = []
+        for answer in list(self.open.values()):
+            token, text = self._next_token(answer)
+            if token is None:
+                summary, tail = self._finish(answer)
+                results.append(Step(answer.seq, AnswerPiece(tail, -1, None) if tail else None, summary))
+            else:
+                steps.append((answer, token, text))
+        if not steps:
+            return results
+        logits = self.context.decode_steps([SequenceStep(a.seq, token, a.pos) for a, token, _ in steps])
+        stats = self.context.read_stats(with_regions=any(a.want_regions for a, _, _ in steps))
+        for (answer, token, text), answer_logits in zip(steps, logits):
+            own = self._count(answer.summary, stats, answer.seq)
+            answer.logits, answer.pos = answer_logits, answer.pos + 1
+            answer.summary.n_answer_tokens += 1
+            answer.pieces.append(text)
+            results.append(Step(answer.seq, AnswerPiece(text, token, own)))
+        return results
+
+    def _next_token(self, answer: _Open) -> tuple[int | None, str]:
+        """The answer's next token and its text, or (None, '') where the answer ends before it."""
+        if answer.summary.n_answer_tokens >= answer.max_tokens or (answer.cancel is not None and answer.cancel.is_set()):
+            return None, ""
+        token = _sample(answer.logits, answer.temperature, answer.rng)
+        if self.context.is_end_of_generation(token):
+            return None, ""
+        text = answer.decoder.decode(self.context.detokenize([token]))
+        stops = self.session.parts.stops
+        if stops and any(stop in answer.recent + text for stop in stops):
+            return None, ""
+        answer.recent = (answer.recent + text)[-32:]
+        return token, text
+
+    def _finish(self, answer: _Open) -> tuple[AnswerSummary, str]:
+        """The ended answer's summary and the text its decoder still held; its sequence freed."""
+        tail = answer.decoder.decode(b"", final=True)
+        summary = answer.summary
+        summary.text = "".join(answer.pieces) + tail
+        summary.decode_seconds = time.perf_counter() - answer.started
+        del self.open[answer.seq]
+        self._hints.pop(answer.seq, None)
+        self.context.remove_positions(answer.seq)
+        self._free.append(answer.seq)
+        return summary, tail
+
+    def close(self) -> None:
+        """End every open answer (their cells dropped; the documents' stay)."""
+        for answer in list(self.open.values()):
+            self._finish(answer)
+        self._set_hints()
+
