@@ -204,6 +204,7 @@ MAX_SINKS = MAX_CTX  # first tokens always read
 MAX_SHORTLIST = 65_536  # regions the coarse centroids shortlist
 MAX_SEED = 2**32 - 1  # the engine's seed is a uint32
 MAX_ANSWER_TOKENS = MAX_CTX  # --max-tokens, bench --tokens: an answer cannot outgrow the context
+MAX_ANSWERS = 64  # answers one context decodes together (kvlocal.batch, kvlocal serve --batch)
 
 # -- sizes the engine and the session fix (read by the KV estimate before any engine work) -----------
 ANSWER_RESERVE = 768  # context tokens a session keeps free for a question and its answer

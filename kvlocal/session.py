@@ -35,6 +35,7 @@ from kvlocal.route_settings import (
     ANSWER_RESERVE,
     DEFAULT_CENTROID_BLOCK,
     LIBRARY_CENTROID_TYPE,
+    MAX_ANSWERS,
     MAX_THREADS,
     MIN_CTX,
     ModelRoute,
@@ -47,7 +48,6 @@ from kvlocal.routing import (
 )
 
 CTX_ROUND = 256
-MAX_ANSWERS = 64  # answers one context decodes together (kvlocal.batch)
 
 
 @dataclass(frozen=True)

@@ -391,3 +391,48 @@ def test_the_openai_client_streams_the_planted_fact_of_an_attached_pdf(cache_dir
     assert SAMPLE_ANSWER in answer
     reads = chunks[-1].model_extra["kv_reads"]
     assert reads["documents"][0]["document"] == "report.pdf" and reads["bytes_read"] < reads["bytes_dense"]
+
+
+# -- answers decoded together (--batch) -------------------------------------------------------------------
+
+
+def test_requests_of_the_same_documents_decode_together_and_others_wait(tiny_model, cache_dir):
+    """Three requests of one document, queued while the worker is held, join one batch before its first
+    step and answer as kvlocal.batch answers them together; a request of another document waits for the
+    batch to drain and is answered alone; every cell each answer read holds its own document's text."""
+    from kvlocal.batch import AnswerBatch
+    from kvlocal.routing import DEFAULT_ROUTE
+
+    questions = ["what does alpha3 hold?", "what does alpha9 hold?", "which word follows alpha12?"]
+    alpha = file_part("alpha.txt", DOCS["alpha"].encode())
+    with serving(tiny_model, answers=3) as running, ThreadPoolExecutor(4) as pool:
+        running.scheduler.hold()
+        futures = []
+        for i, question in enumerate(questions):  # one at a time: the batch's sequences in this order
+            futures.append(pool.submit(running.post, ask_body(alpha, question=question, max_tokens=6)))
+            assert running.scheduler.wait_for(lambda s, n=i + 1: s.waiting == n, 60)
+        other = pool.submit(running.post, ask_body(file_part("bravo.txt", DOCS["bravo"].encode()),
+                                                   question="what does bravo2 hold?", max_tokens=6))
+        assert running.scheduler.wait_for(lambda s: s.waiting == 4, 60)
+        running.scheduler.release()
+        replies = [f.result().json() for f in futures]
+        bravo = other.result().json()
+        records = [running.record(r["id"]) for r in replies + [bravo]]
+    assert all(r.outcome == "done" for r in records)
+    assert max(r.answered_beside for r in records[:3]) == 2 and records[3].answered_beside == 0
+    for record in records:
+        assert record.read_texts
+        tag = record.documents[0].split(".")[0]
+        assert all(label.startswith(tag) and tag in text for label, text in record.read_texts)
+
+    session = Session(str(tiny_model), threads=2, answers=3)
+    try:
+        load_set(session, [Document(DOCS["alpha"], "alpha.txt", "txt")])
+        batch = AnswerBatch(session, DEFAULT_ROUTE)
+        handles = [batch.add(q, max_tokens=6, want_regions=True) for q in questions]
+        texts = {}
+        while batch.open:
+            texts.update({s.answer: s.summary.text for s in batch.step() if s.summary is not None})
+    finally:
+        session.close()
+    assert [r["choices"][0]["message"]["content"] for r in replies] == [texts[h] for h in handles]

@@ -17,7 +17,7 @@ import typer
 
 from kvlocal.cli_options import CtxOpt, KvTypeOpt, MaxKvOpt, ModelOpt, ThreadsOpt
 from kvlocal.errors import UsageError
-from kvlocal.route_settings import MAX_ANSWER_TOKENS
+from kvlocal.route_settings import MAX_ANSWER_TOKENS, MAX_ANSWERS
 
 DEFAULT_PORT = 8080
 
@@ -45,6 +45,11 @@ def serve(
                                             help="Most answer tokens a request may ask for.")] = 4096,
     max_documents: Annotated[int, typer.Option("--max-documents", min=1, max=1024,
                                                help="Most documents in one request.")] = 16,
+    batch: Annotated[int, typer.Option(
+        "--batch", min=1, max=MAX_ANSWERS,
+        help="Answers decoded together: requests that ask the documents loaded join the running ones between "
+             "two tokens, each its own sequence routed over its own documents. Above 1 a step of several answers "
+             "reads without the route's selection memory and pins (each answer alone reads as `kvlocal ask`).")] = 1,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/models) answering from documents.
 
@@ -62,7 +67,7 @@ def serve(
                     max_documents=max_documents)
     limit = parse_size(max_kv) if max_kv is not None else default_max_kv()
     state = open_state(documents or [], keys, limits, model=model, ctx=ctx, threads=threads, kv_type=kv_type,
-                       max_kv=limit, queue=queue)
+                       max_kv=limit, queue=queue, answers=batch)
     run(state, host, port)
 
 
@@ -96,7 +101,7 @@ def _size(text: str, setting: str) -> int:
 
 
 def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=None, threads=None, kv_type="f16",
-               max_kv=None, queue=8, audit=False):
+               max_kv=None, queue=8, audit=False, answers=1):
     """The server's state: the named documents read, the keys checked, the model loaded."""
     from kvlocal.serve.app import ServerState
     from kvlocal.serve.documents import Catalog, KeyRing
@@ -107,7 +112,7 @@ def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=N
     for message in catalog.skipped:
         print(f"kvlocal serve: {message}", file=sys.stderr, flush=True)
     ring = KeyRing.parse(keys, catalog)
-    session = Session(model, n_ctx=ctx, threads=threads, kv_type=kv_type)
+    session = Session(model, n_ctx=ctx, threads=threads, kv_type=kv_type, answers=answers)
     scheduler = Scheduler(session, queue_size=queue, max_kv=max_kv, audit=audit)
     return ServerState(scheduler, catalog, ring, limits, session.model.path.stem)
 

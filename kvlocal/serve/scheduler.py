@@ -8,10 +8,11 @@ same documents), decodes the answer with the CLI's default route, and sends the 
 request's event loop. A job's `cancel` (its client went away, or the server stops) ends its prefill
 or decoding after the current batch or token, and the worker takes the next job.
 
-The seam for batched decoding: everything above the Worker (admission, queueing, cancellation, the
-event stream a request reads) is per job and knows nothing of how answers are decoded; a worker that
-decodes several jobs' sequences in one batch would take several jobs from the same queue and emit
-each job's events the same way.
+With `answers` > 1 (`kvlocal serve --batch N`) the worker decodes up to that many jobs together
+(kvlocal.batch.AnswerBatch): between two steps it takes the waiting jobs that ask the documents
+loaded (each reads its question and joins), and a job that asks other documents waits until the
+batch has drained. Admission, queueing, cancellation and the events a request reads are per job and
+the same either way.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvlocal.batch import AnswerBatch
 from kvlocal.docset import text_digest
 from kvlocal.errors import CancelledError, KvlocalError
 from kvlocal.ingest import Document
@@ -80,6 +82,7 @@ class JobRecord:
     answer_tokens: int = 0
     # with `audit`: (document, text) of the cells of each region the engine reports the answer read
     read_texts: tuple[tuple[str, str], ...] = ()
+    answered_beside: int = 0  # the most other answers decoded in one batch with a step of this one (--batch)
 
 
 class Scheduler:
@@ -89,11 +92,12 @@ class Scheduler:
                  log: Callable[[str], None] | None = None, audit: bool = False) -> None:
         self.queue_size = queue_size
         self.waiting = 0
-        self.running: Job | None = None
+        self.running: dict[str, Job] = {}  # by id: the jobs the worker has taken and not finished
         self.records: deque[JobRecord] = deque(maxlen=256)
         self.log = log or (lambda text: print(f"kvlocal serve: {text}", file=sys.stderr, flush=True))
         self.worker = Worker(session, max_kv=max_kv, log=self.log, audit=audit)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._later: deque[Job | None] = deque()  # taken from the queue while a batch of other documents ran
         self._changed = threading.Condition()
         self._open = threading.Event()  # cleared by hold(): the worker starts no job
         self._open.set()
@@ -139,31 +143,62 @@ class Scheduler:
         """Admit no further job and cancel the running one (the first step of stopping)."""
         with self._changed:
             self._stopping = True
-            if self.running is not None:
-                self.running.cancel.set()
+            for job in self.running.values():
+                job.cancel.set()
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while (job := self._later.popleft() if self._later else self._jobs.get()) is not None:
             self._open.wait()
-            with self._changed:
-                self.waiting -= 1
-                stopping = self._stopping
-                self.running = None if stopping or job.cancel.is_set() else job
-                self._changed.notify_all()
-            if self.running is None:
-                record = JobRecord(job.id, tuple(d.source for d in job.documents), "cancelled")
-                job.emit("error", ApiError(503, "the server is shutting down", code="shutting_down")) if stopping \
-                    else job.emit("cancelled")
+            if not self._take(job):
+                continue
+            if self.worker.answers > 1:
+                self.worker.run_batch(job, self._joining, self._finished)
             else:
-                record = self.worker.run(job)
-            with self._changed:
-                self.running = None
-                self.records.append(record)
-                self._changed.notify_all()
+                self._finished(job, self.worker.run(job))
+
+    def _take(self, job: Job) -> bool:
+        """Count `job` as running, or answer it at once if it was cancelled or the server is stopping."""
+        with self._changed:
+            self.waiting -= 1
+            stopping = self._stopping
+            taken = not (stopping or job.cancel.is_set())
+            if taken:
+                self.running[job.id] = job
+            self._changed.notify_all()
+        if not taken:
+            job.emit("error", ApiError(503, "the server is shutting down", code="shutting_down")) if stopping \
+                else job.emit("cancelled")
+            self._finished(job, JobRecord(job.id, tuple(d.source for d in job.documents), "cancelled"))
+        return taken
+
+    def _finished(self, job: Job, record: JobRecord) -> None:
+        with self._changed:
+            self.running.pop(job.id, None)
+            self.records.append(record)
+            self._changed.notify_all()
+
+    def _joining(self, can_join: Callable[[Job], bool]) -> list[Job]:
+        """The waiting jobs that may join the running batch now (taken and counted as running); the
+        others taken from the queue wait in `_later`, in their order, for the batch to drain."""
+        joining: list[Job] = []
+        if not self._open.is_set():
+            return joining
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return joining
+            if job is None or self._later or not can_join(job):
+                self._later.append(job)
+                if job is None:
+                    return joining
+            elif self._take(job):
+                joining.append(job)
 
 
 class Worker:
-    """Owns the session: readies each job's documents and decodes its answer (one job at a time)."""
+    """Owns the session: readies each job's documents and decodes its answer (one job at a time, or
+    with the session's `answers` > 1 several jobs of the same documents together)."""
 
     def __init__(self, session: Session, *, max_kv: int | None, log: Callable[[str], None], audit: bool) -> None:
         self.session = session
@@ -171,31 +206,94 @@ class Worker:
         self.log = log
         self.audit = audit
         self._loaded: tuple | None = None  # the documents the session holds (by text and name)
+        self.answers = session.answers
 
     def run(self, job: Job) -> JobRecord:
-        labels = tuple(d.source for d in job.documents)
         try:
             self._ready(job)
             record = self._answer(job)
-        except CancelledError:
-            record = JobRecord(job.id, labels, "cancelled")
-        except KvlocalError as err:
-            self.log(f"{job.id}: {err}")
-            job.emit("error", api_error(err))
-            return JobRecord(job.id, labels, "error")
         except Exception as err:  # noqa: BLE001 - a request must not take the worker down
-            self._loaded = None
-            self.log(f"{job.id}: internal error: {type(err).__name__}: {err}")
-            job.emit("error", ApiError(500, f"internal error: {type(err).__name__}", code="internal_error"))
-            return JobRecord(job.id, labels, "error")
+            return self._failed(job, err)
         if record.outcome == "cancelled":
             self.log(f"{job.id}: cancelled after {record.answer_tokens} answer tokens")
             job.emit("cancelled")
         return record
 
+    def _failed(self, job: Job, err: Exception) -> JobRecord:
+        """The job's error sent to its client (500 for what is not kvlocal's own error)."""
+        labels = tuple(d.source for d in job.documents)
+        if isinstance(err, CancelledError):  # while its documents were readied
+            self.log(f"{job.id}: cancelled after 0 answer tokens")
+            job.emit("cancelled")
+            return JobRecord(job.id, labels, "cancelled")
+        if isinstance(err, KvlocalError):
+            self.log(f"{job.id}: {err}")
+            job.emit("error", api_error(err))
+        else:
+            self._loaded = None
+            self.log(f"{job.id}: internal error: {type(err).__name__}: {err}")
+            job.emit("error", ApiError(500, f"internal error: {type(err).__name__}", code="internal_error"))
+        return JobRecord(job.id, labels, "error")
+
+    def run_batch(self, first: Job, joining: Callable[[Callable[[Job], bool]], list[Job]],
+                  finished: Callable[[Job, JobRecord], None]) -> None:
+        """Answer `first` and every job `joining` hands over between steps, decoded together; each
+        job's record goes to `finished` as its answer ends."""
+        try:
+            self._ready(first)
+            batch = AnswerBatch(self.session, DEFAULT_ROUTE)
+        except Exception as err:  # noqa: BLE001 - a request must not take the worker down
+            finished(first, self._failed(first, err))
+            return
+        key, answering = self._loaded, {}
+
+        def join(job: Job) -> None:
+            try:
+                handle = batch.add(job.question, max_tokens=job.max_tokens, temperature=job.temperature,
+                                   seed=job.seed, want_regions=True, cancel=job.cancel)
+            except Exception as err:  # noqa: BLE001
+                finished(job, self._failed(job, err))
+                return
+            answering[handle] = (job, DocumentReads(self.session.read_tally()), [0])
+
+        def can_join(job: Job) -> bool:
+            return (self._key(job) == key
+                    and batch.can_take(len(batch.question_tokens(job.question)), job.max_tokens))
+
+        join(first)
+        try:
+            while batch.open:
+                for job in joining(can_join):
+                    join(job)
+                for _, _, beside in answering.values():
+                    beside[0] = max(beside[0], len(batch.open) - 1)
+                for step in batch.step():
+                    job, tally, beside = answering[step.answer]
+                    if step.piece is not None:
+                        tally.add(step.piece.stats)
+                        if step.piece.text:
+                            job.emit("delta", step.piece.text)
+                    if step.summary is not None:
+                        del answering[step.answer]
+                        record = self._close(job, step.summary, tally, beside[0])
+                        if record.outcome == "cancelled":
+                            self.log(f"{job.id}: cancelled after {record.answer_tokens} answer tokens")
+                            job.emit("cancelled")
+                        finished(job, record)
+        except Exception as err:  # noqa: BLE001
+            for job, _, _ in answering.values():
+                finished(job, self._failed(job, err))
+            self._loaded = None
+        finally:
+            batch.close()
+
+    @staticmethod
+    def _key(job: Job) -> tuple:
+        return tuple((text_digest(d.text), d.source) for d in job.documents)
+
     def _ready(self, job: Job) -> None:
         """Load the job's documents, unless the session holds exactly them already."""
-        key = tuple((text_digest(d.text), d.source) for d in job.documents)
+        key = self._key(job)
         if key == self._loaded:
             return
         self._loaded = None
@@ -222,10 +320,15 @@ class Worker:
         finally:
             answer.close()
         summary = answer.summary()
+        return self._close(job, summary, tally)
+
+    def _close(self, job: Job, summary, tally: DocumentReads, beside: int = 0) -> JobRecord:
+        """The ended answer's record; its client gets the whole answer's event unless it was cancelled."""
+        session = self.session
         labels = tuple(d.source for d in job.documents)
         read_texts = self._read_texts(summary.region_reads, tally) if self.audit else ()
         if job.cancel.is_set():
-            return JobRecord(job.id, labels, "cancelled", summary.n_answer_tokens, read_texts)
+            return JobRecord(job.id, labels, "cancelled", summary.n_answer_tokens, read_texts, beside)
         reads = tally.report(summary)
         finish = "length" if summary.n_answer_tokens >= job.max_tokens or summary.context_full else "stop"
         self.log(f"{job.id}: {summary.n_answer_tokens} answer tokens; read {human_bytes(summary.bytes_read)} of "
@@ -233,7 +336,7 @@ class Worker:
                  f"{tally.reads.describe(rest=False)}")
         usage_counts = usage(session.prefix_cells + summary.n_question_tokens, summary.n_answer_tokens)
         job.emit("done", JobResult(summary.text, finish, usage_counts, reads))
-        return JobRecord(job.id, labels, "done", summary.n_answer_tokens, read_texts)
+        return JobRecord(job.id, labels, "done", summary.n_answer_tokens, read_texts, beside)
 
     def _read_texts(self, region_reads: dict[tuple[int, int], int], tally: DocumentReads) -> tuple[tuple[str, str], ...]:
         """The text of the document cells in each region the engine reported read (audit)."""
