@@ -21,6 +21,7 @@ import ipaddress
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -170,17 +171,25 @@ def check_servers(place: Placement) -> list[ServerInfo]:
     return [probe(endpoint) for endpoint in place.servers]
 
 
-def server_gone(detail: str, servers: tuple[Endpoint, ...] = ()) -> str:
-    """The one line for a fatal engine error while RPC servers hold layers (engine.exit_on_engine_abort),
-    naming the `servers` that now refuse connections."""
-    gone = []
-    for endpoint in servers:
+def _refuses(endpoint: Endpoint, tries: int = 5, pause: float = 0.2) -> bool:
+    """Whether `endpoint` refuses connections. A server that is exiting may still accept for a moment
+    after its client's connection broke (its sockets close one by one): ask again a few times."""
+    for attempt in range(tries):
         try:
             socket.create_connection((endpoint.host, endpoint.port), timeout=1).close()
         except ConnectionRefusedError:
-            gone.append(str(endpoint))
+            return True
         except OSError:
-            pass  # busy (serving this process's engine) or slow: not known to be gone
+            return False  # busy (serving this process's engine) or slow: not known to be gone
+        if attempt + 1 < tries:
+            time.sleep(pause)
+    return False
+
+
+def server_gone(detail: str, servers: tuple[Endpoint, ...] = ()) -> str:
+    """The one line for a fatal engine error while RPC servers hold layers (engine.exit_on_engine_abort),
+    naming the `servers` that now refuse connections."""
+    gone = [str(endpoint) for endpoint in servers if _refuses(endpoint)]
     which = f"RPC server {', '.join(gone)} is gone" if gone else "an RPC server stopped answering"
     return (f"kvlocal: error: the engine stopped ({detail}): {which}; the saved KV states are intact: ask again "
             f"once the servers are back (`kvlocal doctor --rpc ...` lists them)")

@@ -342,7 +342,7 @@ def test_cli_eval_takes_every_task(monkeypatch, tmp_path) -> None:
     from kvlocal.evals import runner
 
     [tasks_option] = [p for p in typer.main.get_command(cli.app).commands["eval"].commands["grid"].params if p.name == "tasks"]
-    assert tasks_option.help == ",".join(TASKS)
+    assert ",".join(TASKS) in tasks_option.help
 
     grids = []
 
