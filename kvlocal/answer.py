@@ -8,8 +8,10 @@ and the TUI's live counters keep another (its heatmap keeps the regions).
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -23,6 +25,36 @@ class AnswerPiece:
     text: str
     token: int
     stats: ReadStats | None
+
+
+class _Vocabulary(Protocol):
+    def is_end_of_generation(self, token: int) -> bool: ...
+    def detokenize(self, tokens: list[int]) -> bytes: ...
+
+
+class AnswerText:
+    """An answer's text as its tokens are sampled: each token's UTF-8 piece, and where the answer ends
+    before a token (the model's end of generation, or a completion prompt's stop string)."""
+
+    def __init__(self, vocabulary: _Vocabulary, stops: tuple[str, ...] | list[str] = ()) -> None:
+        self.vocabulary = vocabulary
+        self.stops = stops
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.recent = ""
+
+    def accept(self, token: int) -> str | None:
+        """The text `token` adds (possibly empty while UTF-8 is incomplete), or None where the answer ends."""
+        if self.vocabulary.is_end_of_generation(token):
+            return None
+        text = self.decoder.decode(self.vocabulary.detokenize([token]))
+        if self.stops and any(stop in self.recent + text for stop in self.stops):
+            return None  # a completion prompt's answer ends where the next paragraph or question begins
+        self.recent = (self.recent + text)[-32:]
+        return text
+
+    def finish(self) -> str:
+        """What the decoder still holds (an incomplete character, replaced)."""
+        return self.decoder.decode(b"", final=True)
 
 
 @dataclass(kw_only=True)

@@ -14,14 +14,13 @@ hinted regions, of the same documents). With one answer open a step is routed as
 
 from __future__ import annotations
 
-import codecs
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlocal.answer import AnswerPiece, AnswerSummary
+from kvlocal.answer import AnswerPiece, AnswerSummary, AnswerText
 from kvlocal.engine import SequenceStep
 from kvlocal.errors import ContextOverflowError, UsageError
 from kvlocal.routing import ReadStats, Route, RouteConfig
@@ -43,9 +42,8 @@ class _Open:
     logits: np.ndarray
     want_regions: bool
     started: float
-    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    text: AnswerText
     pieces: list[str] = field(default_factory=list)
-    recent: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,7 +107,7 @@ class AnswerBatch:
         summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
         self.open[seq] = _Open(seq, session.n_prefix + len(q_tokens), len(q_tokens) + max_tokens, max_tokens,
                                temperature, np.random.default_rng(seed), cancel, summary, logits, want_regions,
-                               time.perf_counter())
+                               time.perf_counter(), AnswerText(context, session.parts.stops))
         return seq
 
     def _read_question(self, seq: int, q_tokens: list[int], route: Route, summary: AnswerSummary,
@@ -137,11 +135,8 @@ class AnswerBatch:
         return own
 
     def _set_hints(self) -> None:
-        cells = sorted({c for hints in self._hints.values() for c in hints})
-        if not self.context.set_hints(cells) and cells:
-            from kvlocal.errors import EngineError
-
-            raise EngineError("the engine did not take the route hints")
+        """The hints of every open answer at once (the engine keeps one list per context)."""
+        self.context.set_hints(sorted({c for hints in self._hints.values() for c in hints}))
 
     def step(self) -> list[Step]:
         """One token of every open answer, decoded in one batch. An answer that ends (its end token,
@@ -172,18 +167,12 @@ class AnswerBatch:
         if answer.summary.n_answer_tokens >= answer.max_tokens or (answer.cancel is not None and answer.cancel.is_set()):
             return None, ""
         token = _sample(answer.logits, answer.temperature, answer.rng)
-        if self.context.is_end_of_generation(token):
-            return None, ""
-        text = answer.decoder.decode(self.context.detokenize([token]))
-        stops = self.session.parts.stops
-        if stops and any(stop in answer.recent + text for stop in stops):
-            return None, ""
-        answer.recent = (answer.recent + text)[-32:]
-        return token, text
+        text = answer.text.accept(token)
+        return (None, "") if text is None else (token, text)
 
     def _finish(self, answer: _Open) -> tuple[AnswerSummary, str]:
         """The ended answer's summary and the text its decoder still held; its sequence freed."""
-        tail = answer.decoder.decode(b"", final=True)
+        tail = answer.text.finish()
         summary = answer.summary
         summary.text = "".join(answer.pieces) + tail
         summary.decode_seconds = time.perf_counter() - answer.started

@@ -42,7 +42,6 @@ TOKENS_PER_DOCUMENT = 128
 DEFAULT_MAX_KV_SHARE = 0.5
 
 
-
 @dataclass(frozen=True)
 class Skipped:
     """A file left out of the set; `message` is the one line that says which and why."""

@@ -826,10 +826,12 @@ class EngineContext:
         """What the last ubatch read (see the module's `read_stats`)."""
         return read_stats(self._llm.ctx, with_regions=with_regions)
 
-    def set_hints(self, cells: Sequence[int]) -> bool:
-        """Name the cells the next decodes read in place of top-k choices; whether the engine took them."""
+    def set_hints(self, cells: Sequence[int]) -> None:
+        """Name the cells the next decodes read in place of top-k choices (none: clear them); EngineError
+        if the engine does not take them."""
         array = (ctypes.c_int32 * max(1, len(cells)))(*cells)
-        return route_api().llama_kv_route_set_hints(self._llm.ctx, array, len(cells)) == 0
+        if route_api().llama_kv_route_set_hints(self._llm.ctx, array, len(cells)) != 0 and cells:
+            raise EngineError("the engine did not take the route hints")
 
     def route_centroid_block(self) -> int:
         """The centroid block the KV cache keeps (0: none)."""

@@ -17,7 +17,6 @@ rpc-server` binds loopback unless --allow-remote.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import struct
@@ -25,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import NoReturn
 
+from kvlocal.addresses import is_loopback
 from kvlocal.errors import EngineError, UsageError
 
 ENV_SERVERS = "KVLOCAL_RPC"  # the servers `--rpc` names when it is not given
@@ -249,15 +249,6 @@ def wire_bytes(servers: tuple[Endpoint, ...]) -> tuple[int, int]:
 
 
 # -- kvlocal rpc-server ---------------------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    """`host` (a name or address) resolves to loopback addresses only."""
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except socket.gaierror as err:
-        raise UsageError(f"{host!r}: {err.strerror}", setting="host") from None
-    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
 def check_bind(host: str, port: int, allow_remote: bool) -> str | None:

@@ -9,7 +9,6 @@ together with the engine's per-step read statistics.
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import math
 import os
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlocal import kvstate
-from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, ReadTotals
+from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, AnswerText, ReadTotals
 from kvlocal.engine import EngineContext, exit_on_engine_abort, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
@@ -649,8 +648,7 @@ class Session:
         with self._lock:
             self._rewind()
             route = self.resolve_answer_route(question, asked, n_documents)
-            if not context.set_hints(route.hint_cells) and route.hint_cells:
-                raise EngineError("the engine did not take the route hints")
+            context.set_hints(route.hint_cells)
             context.apply_route(route)
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
             room = context.n_ctx - self.prefix_cells - len(q_tokens)
@@ -665,9 +663,8 @@ class Session:
             self._read_question(q_tokens, route, summary, want_regions)
             summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
             rng = np.random.default_rng(seed)
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            answer_text = AnswerText(context, self.parts.stops)
             pieces: list[str] = []
-            stops, recent = self.parts.stops, ""
             wire = self._wire_bytes()
             start = time.perf_counter()
             try:
@@ -675,12 +672,9 @@ class Session:
                     if cancel is not None and cancel.is_set():
                         break
                     token = _sample(context.last_logits(), temperature, rng)
-                    if context.is_end_of_generation(token):
+                    text = answer_text.accept(token)
+                    if text is None:
                         break
-                    text = decoder.decode(context.detokenize([token]))
-                    if stops and any(stop in recent + text for stop in stops):
-                        break  # a completion prompt's answer ends where the next paragraph or question begins
-                    recent = (recent + text)[-32:]
                     stats = self._step(token, want_regions)
                     if stats:
                         summary.add(stats)
@@ -688,11 +682,11 @@ class Session:
                     pieces.append(text)
                     yield AnswerPiece(text, token, stats)
             except KeyboardInterrupt:
-                pieces.append(decoder.decode(b"", final=True))
+                pieces.append(answer_text.finish())
                 summary.text = "".join(pieces)
                 summary.decode_seconds = time.perf_counter() - start
                 raise
-            tail = decoder.decode(b"", final=True)
+            tail = answer_text.finish()
             if tail:
                 pieces.append(tail)
                 yield AnswerPiece(tail, -1, None)

@@ -8,13 +8,13 @@ finishes what it writes to the cache, then the process exits.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import sys
 from typing import Annotated, Optional
 
 import typer
 
+from kvlocal.addresses import is_loopback
 from kvlocal.cli_options import CtxOpt, KvTypeOpt, MaxKvOpt, ModelOpt, ThreadsOpt
 from kvlocal.errors import UsageError
 from kvlocal.route_settings import MAX_ANSWER_TOKENS, MAX_ANSWERS
@@ -77,15 +77,6 @@ def check_host(host: str, has_keys: bool) -> None:
         return
     raise UsageError(f"refusing to listen on {host} without an API key: anyone who reaches it could read the "
                      "documents; give --api-key KEY, or listen on 127.0.0.1", setting="host")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _size(text: str, setting: str) -> int:

@@ -151,7 +151,7 @@ class Scheduler:
             self._open.wait()
             if not self._take(job):
                 continue
-            if self.worker.answers > 1:
+            if self.worker.session.answers > 1:
                 self.worker.run_batch(job, self._joining, self._finished)
             else:
                 self._finished(job, self.worker.run(job))
@@ -206,18 +206,13 @@ class Worker:
         self.log = log
         self.audit = audit
         self._loaded: tuple | None = None  # the documents the session holds (by text and name)
-        self.answers = session.answers
 
     def run(self, job: Job) -> JobRecord:
         try:
             self._ready(job)
-            record = self._answer(job)
+            return self._answer(job)
         except Exception as err:  # noqa: BLE001 - a request must not take the worker down
             return self._failed(job, err)
-        if record.outcome == "cancelled":
-            self.log(f"{job.id}: cancelled after {record.answer_tokens} answer tokens")
-            job.emit("cancelled")
-        return record
 
     def _failed(self, job: Job, err: Exception) -> JobRecord:
         """The job's error sent to its client (500 for what is not kvlocal's own error)."""
@@ -245,7 +240,8 @@ class Worker:
         except Exception as err:  # noqa: BLE001 - a request must not take the worker down
             finished(first, self._failed(first, err))
             return
-        key, answering = self._loaded, {}
+        key, answering = self._loaded, {}  # handle -> (job, its reads)
+        beside: dict[int, int] = {}  # handle -> the most other answers decoded with one of its steps
 
         def join(job: Job) -> None:
             try:
@@ -254,7 +250,7 @@ class Worker:
             except Exception as err:  # noqa: BLE001
                 finished(job, self._failed(job, err))
                 return
-            answering[handle] = (job, DocumentReads(self.session.read_tally()), [0])
+            answering[handle], beside[handle] = (job, DocumentReads(self.session.read_tally())), 0
 
         def can_join(job: Job) -> bool:
             return (self._key(job) == key
@@ -265,23 +261,19 @@ class Worker:
             while batch.open:
                 for job in joining(can_join):
                     join(job)
-                for _, _, beside in answering.values():
-                    beside[0] = max(beside[0], len(batch.open) - 1)
+                for handle in answering:
+                    beside[handle] = max(beside[handle], len(batch.open) - 1)
                 for step in batch.step():
-                    job, tally, beside = answering[step.answer]
+                    job, tally = answering[step.answer]
                     if step.piece is not None:
                         tally.add(step.piece.stats)
                         if step.piece.text:
                             job.emit("delta", step.piece.text)
                     if step.summary is not None:
                         del answering[step.answer]
-                        record = self._close(job, step.summary, tally, beside[0])
-                        if record.outcome == "cancelled":
-                            self.log(f"{job.id}: cancelled after {record.answer_tokens} answer tokens")
-                            job.emit("cancelled")
-                        finished(job, record)
+                        finished(job, self._close(job, step.summary, tally, beside[step.answer]))
         except Exception as err:  # noqa: BLE001
-            for job, _, _ in answering.values():
+            for job, _ in answering.values():
                 finished(job, self._failed(job, err))
             self._loaded = None
         finally:
@@ -323,11 +315,13 @@ class Worker:
         return self._close(job, summary, tally)
 
     def _close(self, job: Job, summary, tally: DocumentReads, beside: int = 0) -> JobRecord:
-        """The ended answer's record; its client gets the whole answer's event unless it was cancelled."""
+        """The ended answer's record; its client gets the whole answer, or the cancelled event."""
         session = self.session
         labels = tuple(d.source for d in job.documents)
         read_texts = self._read_texts(summary.region_reads, tally) if self.audit else ()
         if job.cancel.is_set():
+            self.log(f"{job.id}: cancelled after {summary.n_answer_tokens} answer tokens")
+            job.emit("cancelled")
             return JobRecord(job.id, labels, "cancelled", summary.n_answer_tokens, read_texts, beside)
         reads = tally.report(summary)
         finish = "length" if summary.n_answer_tokens >= job.max_tokens or summary.context_full else "stop"
