@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from kvlocal.cli_options import RouteOptions  # noqa: E402
 from kvlocal.ingest import Document  # noqa: E402
 from kvlocal.library import load_set  # noqa: E402
 from kvlocal.route_settings import DEFAULT_MODE  # noqa: E402
-from kvlocal.serve.command import check_host, make_server, open_state  # noqa: E402
+from kvlocal.serve.command import check_host, open_state, serving_in_thread  # noqa: E402
 from kvlocal.serve.schemas import Limits  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.sample import SAMPLE_ANSWER, SAMPLE_QUESTION, sample_document  # noqa: E402
@@ -74,18 +73,8 @@ def serving(model: Path | None, sources=(), keys=(), limits: Limits = Limits(), 
     once, and its request is served as soon as the app has started."""
     state = open_state([str(s) for s in sources], list(keys), limits, model=model and str(model), threads=2, audit=True,
                        **options)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = make_server(state)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    try:
-        yield Running(state, sock.getsockname()[1])
-    finally:
-        server.should_exit = True
-        thread.join()
-        sock.close()
+    with serving_in_thread(state) as port:
+        yield Running(state, port)
     assert not state.scheduler._thread.is_alive()
 
 
@@ -113,12 +102,13 @@ def ask_body(*parts: dict, question: str = QUESTION, max_tokens: int = 6, **extr
             "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}], **extra}
 
 
-def session_answer(model: Path, docs: list[Document], question: str = QUESTION, max_tokens: int = 6) -> str:
-    """The answer the session layer gives (kvlocal ask's path: load_set, the default route)."""
+def session_answer(model: Path, docs: list[Document], question: str = QUESTION, max_tokens: int = 6,
+                   mode: str = DEFAULT_MODE) -> str:
+    """The answer the session layer gives (kvlocal ask's path: load_set, the default route or `mode`'s)."""
     session = Session(str(model), threads=2)
     try:
         load_set(session, docs)
-        route = RouteOptions().config(DEFAULT_MODE, 0)
+        route = RouteOptions().config(mode, 0)
         return session.answer(question, route=route, max_tokens=max_tokens).text
     finally:
         session.close()
@@ -144,6 +134,17 @@ def test_models_and_a_whole_answer_with_the_openai_client(server, tiny_model):
     # the parts the answer's reads are attributed to add up to the engine's own count of rows read
     assert sum(d["rows_read"] for d in reads["documents"]) + reads["template_rows"] + reads["question_answer_rows"] \
         == reads["answer_rows_read"] < reads["rows_read"]
+
+
+def test_the_route_serve_is_started_with_decodes_every_answer(tiny_model, cache_dir):
+    """`serve --route full` (here its state): every answer reads every cell, and is the answer `kvlocal ask
+    --route full` gives."""
+    alpha = Document(DOCS["alpha"], "alpha.txt", "txt")
+    with serving(tiny_model, route=RouteOptions().config("full")) as running:
+        reply = running.post(ask_body(file_part("alpha.txt", DOCS["alpha"].encode()))).json()
+    reads = reply["kv_reads"]
+    assert reads["bytes_read"] == reads["bytes_dense"] > 0
+    assert reply["choices"][0]["message"]["content"] == session_answer(tiny_model, [alpha], mode="full")
 
 
 def test_a_streamed_answer_is_the_whole_answer_in_chunks(server):

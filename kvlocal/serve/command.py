@@ -8,6 +8,7 @@ finishes what it writes to the cache, then the process exits.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 from typing import Annotated, Optional
@@ -15,13 +16,14 @@ from typing import Annotated, Optional
 import typer
 
 from kvlocal.addresses import is_loopback
-from kvlocal.cli_options import CtxOpt, KvTypeOpt, MaxKvOpt, ModelOpt, ThreadsOpt
+from kvlocal.cli_options import CtxOpt, KvTypeOpt, MaxKvOpt, ModelOpt, RouteOpt, RouteOptions, ThreadsOpt, option_groups
 from kvlocal.errors import UsageError
-from kvlocal.route_settings import MAX_ANSWER_TOKENS, MAX_ANSWERS
+from kvlocal.route_settings import DEFAULT_MODE, MAX_ANSWER_TOKENS, MAX_ANSWERS
 
 DEFAULT_PORT = 8080
 
 
+@option_groups
 def serve(
     documents: Annotated[Optional[list[str]], typer.Argument(
         metavar="[DOCUMENT...]", help="Files and folders a request may name in its `documents` field.")] = None,
@@ -50,6 +52,8 @@ def serve(
         help="Answers decoded together: requests that ask the documents loaded join the running ones between "
              "two tokens, each its own sequence routed over its own documents. Above 1 a step of several answers "
              "reads without the route's selection memory and pins (each answer alone reads as `kvlocal ask`).")] = 1,
+    route: RouteOpt = DEFAULT_MODE,
+    routing: RouteOptions = RouteOptions(),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/models) answering from documents.
 
@@ -62,12 +66,14 @@ def serve(
 
     keys = api_key or []
     check_host(host, bool(keys))
+    route_cfg = routing.config(route)
     limits = Limits(max_request_bytes=_size(max_request, "max_request"),
                     max_document_bytes=_size(max_document, "max_document"), max_tokens=max_tokens,
                     max_documents=max_documents)
     limit = parse_size(max_kv) if max_kv is not None else default_max_kv()
     state = open_state(documents or [], keys, limits, model=model, ctx=ctx, threads=threads, kv_type=kv_type,
-                       max_kv=limit, queue=queue, answers=batch)
+                       max_kv=limit, queue=queue, answers=batch, route=route_cfg,
+                       centroid_block=routing.centroid_block, centroid_type=routing.centroid_type)
     run(state, host, port)
 
 
@@ -92,8 +98,9 @@ def _size(text: str, setting: str) -> int:
 
 
 def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=None, threads=None, kv_type="f16",
-               max_kv=None, queue=8, audit=False, answers=1):
-    """The server's state: the named documents read, the keys checked, the model loaded."""
+               max_kv=None, queue=8, audit=False, answers=1, route=None, centroid_block=None, centroid_type=None):
+    """The server's state: the named documents read, the keys checked, the model loaded; `route` (a
+    RouteConfig; None: kvlocal ask's default) decodes every answer."""
     from kvlocal.serve.app import ServerState
     from kvlocal.serve.documents import Catalog, KeyRing
     from kvlocal.serve.scheduler import Scheduler
@@ -103,8 +110,12 @@ def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=N
     for message in catalog.skipped:
         print(f"kvlocal serve: {message}", file=sys.stderr, flush=True)
     ring = KeyRing.parse(keys, catalog)
-    session = Session(model, n_ctx=ctx, threads=threads, kv_type=kv_type, answers=answers)
-    scheduler = Scheduler(session, queue_size=queue, max_kv=max_kv, audit=audit)
+    from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK
+
+    session = Session(model, n_ctx=ctx, threads=threads, kv_type=kv_type, answers=answers,
+                      centroid_block=DEFAULT_CENTROID_BLOCK if centroid_block is None else centroid_block,
+                      centroid_type=centroid_type)
+    scheduler = Scheduler(session, queue_size=queue, max_kv=max_kv, audit=audit, route=route)
     return ServerState(scheduler, catalog, ring, limits, session.model.path.stem)
 
 
@@ -133,3 +144,24 @@ def run(state, host: str, port: int) -> None:
     if not server.started:
         raise UsageError(f"could not listen on {host}:{port} (in use, or not an address of this machine)",
                          setting="port")
+
+
+@contextlib.contextmanager
+def serving_in_thread(state):
+    """The server of `state` in a thread, on a free loopback port whose socket listens before the
+    server starts (a client may connect at once); yields the port, and stops the server (and its
+    worker) on exit."""
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    server = make_server(state)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvlocal-serve")
+    thread.start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join()
+        sock.close()

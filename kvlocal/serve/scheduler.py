@@ -4,7 +4,8 @@ Requests become Jobs. `Scheduler.submit` admits a job while fewer than `queue_si
 ApiError 429) and hands it to the Worker, which owns the one Session and answers the jobs one at a
 time, in arrival order: it readies the job's documents as `kvlocal ask A B "q"` does (a set through
 kvlocal.library.load_set, cached per document; the set left loaded for the next job that asks the
-same documents), decodes the answer with the CLI's default route, and sends the pieces back to the
+same documents), decodes the answer with the server's route (`kvlocal ask`'s default unless `serve --route` and its
+options say otherwise), and sends the pieces back to the
 request's event loop. A job's `cancel` (its client went away, or the server stops) ends its prefill
 or decoding after the current batch or token, and the worker takes the next job.
 
@@ -33,7 +34,7 @@ from kvlocal.errors import CancelledError, KvlocalError
 from kvlocal.ingest import Document
 from kvlocal.layout import SetReads
 from kvlocal.library import check_set_fits, load_set
-from kvlocal.routing import DEFAULT_ROUTE, ReadStats
+from kvlocal.routing import DEFAULT_ROUTE, ReadStats, RouteConfig
 from kvlocal.serve.schemas import ApiError, api_error, usage
 from kvlocal.session import Session
 from kvlocal.units import human_bytes
@@ -89,13 +90,14 @@ class Scheduler:
     """The bounded queue in front of one Worker (see the module's docstring)."""
 
     def __init__(self, session: Session, *, queue_size: int = 8, max_kv: int | None = None,
-                 log: Callable[[str], None] | None = None, audit: bool = False) -> None:
+                 log: Callable[[str], None] | None = None, audit: bool = False,
+                 route: RouteConfig | None = None) -> None:
         self.queue_size = queue_size
         self.waiting = 0
         self.running: dict[str, Job] = {}  # by id: the jobs the worker has taken and not finished
         self.records: deque[JobRecord] = deque(maxlen=256)
         self.log = log or (lambda text: print(f"kvlocal serve: {text}", file=sys.stderr, flush=True))
-        self.worker = Worker(session, max_kv=max_kv, log=self.log, audit=audit)
+        self.worker = Worker(session, max_kv=max_kv, log=self.log, audit=audit, route=route or DEFAULT_ROUTE)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._later: deque[Job | None] = deque()  # taken from the queue while a batch of other documents ran
         self._changed = threading.Condition()
@@ -200,8 +202,10 @@ class Worker:
     """Owns the session: readies each job's documents and decodes its answer (one job at a time, or
     with the session's `answers` > 1 several jobs of the same documents together)."""
 
-    def __init__(self, session: Session, *, max_kv: int | None, log: Callable[[str], None], audit: bool) -> None:
+    def __init__(self, session: Session, *, max_kv: int | None, log: Callable[[str], None], audit: bool,
+                 route: RouteConfig = DEFAULT_ROUTE) -> None:
         self.session = session
+        self.route = route  # every answer's (its seed the request's)
         self.max_kv = max_kv
         self.log = log
         self.audit = audit
@@ -236,7 +240,7 @@ class Worker:
         job's record goes to `finished` as its answer ends."""
         try:
             self._ready(first)
-            batch = AnswerBatch(self.session, DEFAULT_ROUTE)
+            batch = AnswerBatch(self.session, self.route)
         except Exception as err:  # noqa: BLE001 - a request must not take the worker down
             finished(first, self._failed(first, err))
             return
@@ -301,7 +305,7 @@ class Worker:
     def _answer(self, job: Job) -> JobRecord:
         session = self.session
         tally = DocumentReads(session.read_tally())
-        route = replace(DEFAULT_ROUTE, seed=job.seed)  # kvlocal ask's default route
+        route = replace(self.route, seed=job.seed)
         answer = session.ask(job.question, route=route, max_tokens=job.max_tokens, temperature=job.temperature,
                              seed=job.seed, want_regions=True, cancel=job.cancel)
         try:
