@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -61,6 +62,7 @@ from kvlocal.cli_options import (
     seeds as parse_seeds,
 )
 from kvlocal.errors import UsageError
+from kvlocal.evals.serve_bench import BUSY_ASKERS
 from kvlocal.route_settings import (
     DEFAULT_MODE,
     DEFAULT_PREFILL,
@@ -371,6 +373,49 @@ def bench_library(
     report = b.library_report(session, results, route, set_seed)
     session.close()
     print(bench_text(report))
+    if out:
+        write_text_atomic(out, json.dumps(report, indent=2))
+
+
+@bench_app.command("serve")
+@handles_errors
+@option_groups
+def bench_serve(
+    lengths: LengthsOpt = "8k",
+    askers: Annotated[str, typer.Option(
+        "--askers", help="Askers at once, e.g. 1,2,4,8: each count's requests decode together in one batch.")] = "1,2,4,8",
+    tokens: TokensOpt = 48,
+    probes: Annotated[int, typer.Option(
+        "--probes", min=BUSY_ASKERS, max=32, help="Planted facts asked alone and 4 at a time (same answers?).")] = 8,
+    modes: ModesOpt = "geometric,full",
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    out: OutOpt = None,
+    routing: RouteOptions = RouteOptions(),
+) -> None:
+    """Many askers of one document through the real server (kvlocal serve --batch): aggregate decode tok/s
+    per route with 1, 2, 4, 8 askers, the same answers alone and 4 at a time, and time to first token
+    idle and beside 4 decoding answers."""
+    import json
+
+    from kvlocal.atomic import write_text_atomic
+    from kvlocal.evals.serve_bench import bench_serve as run, serve_text
+    from kvlocal.route_settings import MAX_ANSWERS
+    from kvlocal.serve.schemas import Limits
+
+    mode_list = _modes(modes, routing)
+    routes = {mode: routing.config(mode) for mode in mode_list}
+    length_list = parse_lengths(lengths)
+    asker_counts = bounded("--askers", ints(askers), 1, MAX_ANSWERS)
+    if not mode_list or not asker_counts:
+        raise UsageError("give at least one of --modes and of --askers")
+    if 3 * tokens > Limits().max_tokens:  # the answers decoding while a probe is timed are 3x as long
+        raise UsageError(f"--tokens: at most {Limits().max_tokens // 3} (got {tokens})", setting="tokens")
+    if out:
+        common.check_out_file(out)
+    report = run(model, threads, length_list, mode_list, routes, sorted(set(asker_counts)), tokens, probes,
+                 routing.centroid_block, routing.centroid_type, log=lambda line: err(f"kvlocal: {line}"))
+    print(serve_text([report]))
     if out:
         write_text_atomic(out, json.dumps(report, indent=2))
 

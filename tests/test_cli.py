@@ -390,3 +390,31 @@ def test_doctor_names_the_backend_devices(cache_dir):
     lines = [line for line in result.output.splitlines() if line.startswith("device ")]
     assert [line.split(":")[0] for line in lines] == [f"device {d.name}" for d in devices]
     assert lines[-1].startswith("device CPU: ") and "(cpu" in lines[-1]
+
+
+def test_bench_serve_asks_the_real_server_alone_and_together(cache_dir, tiny_model, tmp_path):
+    """Askers of one document through the HTTP server: the ones sent at once decoded beside each other, the
+    full route reading every cell and giving alone the answers it gives 4 at a time (the batch's exact
+    oracle), the routed one reading fewer."""
+    out = tmp_path / "serve.json"
+    result = run("bench", "serve", "--model", str(tiny_model), "--lengths", "2k", "--askers", "1,2", "--tokens", "6",
+                 "--probes", "4", "--top-k", "2", "--centroid-block", "32", "--out", str(out))
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["askers"] == [1, 2] and list(report["routes"]) == ["geometric", "full"]
+    [(length, by_mode)] = report["lengths"].items()
+    assert length == "2048"
+    for mode in ("geometric", "full"):
+        askers = by_mode[mode]["askers"]
+        assert (askers["1"]["beside"], askers["2"]["beside"]) == (0, 1)
+        assert all(a["tokens"] > 0 and a["decode_tok_s"] > 0 for a in askers.values())
+        assert len(by_mode[mode]["probes"]) == 4 and all(t > 0 for t in by_mode[mode]["ttft_idle_s"])
+    full, routed = by_mode["full"]["askers"]["2"], by_mode["geometric"]["askers"]["2"]
+    assert full["bytes_read"] == full["bytes_dense"] > 0 and 0 < routed["bytes_read"] < routed["bytes_dense"]
+    assert by_mode["full"]["same_text"] == 4
+    assert "| 2 askers |" in result.stdout and "| same text |" in result.stdout
+
+
+def test_bench_serve_refuses_bad_askers_before_any_work(cache_dir, tiny_model):
+    result = run("bench", "serve", "--model", str(tiny_model), "--askers", "0,2")
+    assert result.exit_code == 2 and "--askers" in result.stderr and "Traceback" not in result.stderr

@@ -615,13 +615,14 @@ def main(argv: list[str] | None = None) -> None:
     `--routes` first: one row per route (answer-step and total reductions side by side, paired with
     full, what the wrong answers are), `--routes --select default|uniform`: only full attention, that
     route and its controls (`select`); `--bench` first: the tables of `kvlocal bench --out` files;
-    `--decode` first: each bench file's decode table as `kvlocal bench` prints it (every mode it timed)."""
+    `--decode` first: each bench file's decode table as `kvlocal bench` prints it (every mode it timed);
+    `--serve` first: each `kvlocal bench serve --out` file's tables as it printed them."""
     import sys
 
     from kvlocal.evals.runner import load_rows
 
     args = list(argv if argv is not None else sys.argv[1:])
-    kind = args.pop(0) if args and args[0] in ("--routes", "--bench", "--decode") else None
+    kind = args.pop(0) if args and args[0] in ("--routes", "--bench", "--decode", "--serve") else None
     which = None
     if kind == "--routes" and args[:1] == ["--select"]:
         which = args[1] if len(args) > 1 else ""
@@ -634,6 +635,11 @@ def main(argv: list[str] | None = None) -> None:
                          "       python -m kvlocal.evals.report --bench BENCH.json [...]")
     if kind == "--bench":
         print(bench_markdown([(p.stem, json.loads(p.read_text())) for p in paths]))
+        return
+    if kind == "--serve":
+        from kvlocal.evals.serve_bench import serve_text
+
+        print(serve_text([json.loads(p.read_text()) for p in paths]))
         return
     if kind == "--decode":
         print("\n\n".join(decode_table(json.loads(p.read_text())) for p in paths))

@@ -1,0 +1,288 @@
+"""`kvlocal bench serve`: many askers of one document through the real server.
+
+For each document length and each route the benchmark starts `kvlocal serve`'s state (its own
+Session, Scheduler and worker, `--batch` answers decoded together) behind the real HTTP server on a
+free loopback port, and asks it with plain HTTP clients in threads, streaming server-sent events:
+
+- the document (a planted-facts haystack of the length) is sent as a base64 `file` content part;
+  a first request loads it (its prefill, or its cached state), so later requests time decoding only;
+- every probe alone: its answer text and its time to first token (idle);
+- N askers at once, for each N of --askers: N long-form requests held at the scheduler until all
+  are queued, then released, so they join one batch before its first step. Aggregate decode tok/s
+  is the answer tokens after each first one over the time from the last first token to the last
+  token; end to end counts every token from the release;
+- the probes asked 4 at a time (held and released the same way): their texts against alone;
+- a probe sent while 4 long answers decode: its time to first token (busy).
+
+Serve batches requests that ask the documents loaded: every asker here asks the same document
+(askers of different documents take turns; that is the scheduler's rule, not measured here).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
+
+from kvlocal.evals.tasks import Case, score
+
+BUSY_ASKERS = 4  # the answers decoding while a probe is timed, and the probes asked at once
+LONG_PROMPT = ("Write a long, detailed account of the document, part by part, starting with part {n}. "
+               "Do not stop early.")
+
+
+@dataclass
+class Reply:
+    """One streamed answer as its client saw it (times from time.perf_counter)."""
+
+    text: str
+    completion_tokens: int
+    sent: float
+    first: float  # the first piece of text
+    last: float  # the last piece of text
+    job_id: str
+    bytes_read: int
+    bytes_dense: int
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.sent
+
+
+def stream(port: int, body: dict, on_first: Callable[[], None] | None = None, timeout: float = 1800) -> Reply:
+    """POST `body` (streamed) to the server on loopback `port`; the reply's text, counts and times."""
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        sent = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"serve answered {response.status}: {response.read().decode(errors='replace')}")
+        pieces: list[str] = []
+        first = last = 0.0
+        job_id, tokens, reads = "", 0, {}
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            job_id = chunk.get("id", job_id)
+            reads = chunk.get("kv_reads", reads)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content") or ""
+                if piece:
+                    last = time.perf_counter()
+                    if not pieces:
+                        first = last
+                        if on_first:
+                            on_first()
+                    pieces.append(piece)
+        return Reply("".join(pieces), tokens, sent, first or last, last, job_id, reads.get("bytes_read", 0),
+                     reads.get("bytes_dense", 0))
+    finally:
+        conn.close()
+
+
+def request(document: dict, question: str, max_tokens: int) -> dict:
+    return {"model": "kvlocal", "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": [document, {"type": "text", "text": question}]}]}
+
+
+def document_part(name: str, text: str) -> dict:
+    data = base64.b64encode(text.encode()).decode()
+    return {"type": "file", "file": {"filename": name, "file_data": f"data:text/plain;base64,{data}"}}
+
+
+def together(state, port: int, bodies: list[dict], pool: ThreadPoolExecutor) -> tuple[list[Reply], float]:
+    """Send `bodies` at once, held at the scheduler until all are queued (so they join one batch
+    before its first step); the replies in order and the time of the release."""
+    scheduler = state.scheduler
+    scheduler.hold()
+    try:
+        futures = [pool.submit(stream, port, body) for body in bodies]
+        if not scheduler.wait_for(lambda s: s.waiting >= len(bodies), 600):
+            raise RuntimeError("the requests did not reach the server's queue")
+    finally:
+        released = time.perf_counter()
+        scheduler.release()
+    return [f.result() for f in futures], released
+
+
+def decode_rate(replies: list[Reply]) -> float:
+    """Answer tokens after each first one, per second from the last first token to the last token."""
+    start, end = max(r.first for r in replies), max(r.last for r in replies)
+    after = sum(max(0, r.completion_tokens - 1) for r in replies)
+    return after / (end - start) if end > start else 0.0
+
+
+def bench_route(state, port: int, case: Case, name: str, askers: list[int], n_tokens: int,
+                log: Callable[[str], None]) -> dict:
+    """One route's figures on one document (see the module's docstring)."""
+    doc = document_part(name, case.text)
+    probes = case.probes
+    probe_tokens = 24
+    workers = max(max(askers), BUSY_ASKERS) + 1
+    with ThreadPoolExecutor(workers) as pool:
+        loaded = stream(port, request(doc, probes[0].question, 1))
+        log(f"  document ready in {loaded.first - loaded.sent:.1f} s")
+        alone = [stream(port, request(doc, p.question, probe_tokens)) for p in probes]
+        rates = {}
+        for n in askers:
+            bodies = [request(doc, LONG_PROMPT.format(n=i + 1), n_tokens) for i in range(n)]
+            replies, released = together(state, port, bodies, pool)
+            tokens = sum(r.completion_tokens for r in replies)
+            end_to_end = tokens / (max(r.last for r in replies) - released)
+            rates[n] = {"decode_tok_s": decode_rate(replies), "end_to_end_tok_s": end_to_end, "tokens": tokens,
+                        "bytes_read": sum(r.bytes_read for r in replies),
+                        "bytes_dense": sum(r.bytes_dense for r in replies),
+                        "beside": max(_record(state, r.job_id).answered_beside for r in replies)}
+            log(f"  {n} asker(s): {rates[n]['decode_tok_s']:.2f} tok/s decoding together "
+                f"({end_to_end:.2f} end to end, {tokens} tokens)")
+        grouped: list[Reply] = []
+        for at in range(0, len(probes), BUSY_ASKERS):
+            group = probes[at:at + BUSY_ASKERS]
+            grouped += together(state, port, [request(doc, p.question, probe_tokens) for p in group], pool)[0]
+        busy = _busy_ttft(state, port, doc, probes[-1].question, probe_tokens, n_tokens, pool)
+    same = sum(a.text == g.text for a, g in zip(alone, grouped))
+    log(f"  probes: {same}/{len(probes)} same text alone and {BUSY_ASKERS} at a time; "
+        f"time to first token {statistics.median(r.ttft for r in alone):.2f} s idle, {busy['ttft']:.2f} s "
+        f"beside {busy['beside']} decoding")
+    return {
+        "askers": {str(n): v for n, v in rates.items()},
+        "probes": [{"question": p.question, "answers": list(p.answers), "depth": p.depth,
+                    "alone": a.text, "together": g.text, "score_alone": score(p, a.text),
+                    "score_together": score(p, g.text)} for p, a, g in zip(probes, alone, grouped)],
+        "same_text": same,
+        "ttft_idle_s": [r.ttft for r in alone],
+        "ttft_busy_s": busy["ttft"],
+        "busy_beside": busy["beside"],
+    }
+
+
+def _record(state, job_id: str):
+    scheduler = state.scheduler
+    if not scheduler.wait_for(lambda s: any(r.id == job_id for r in s.records), 60):
+        raise RuntimeError(f"no record of {job_id}")
+    return next(r for r in scheduler.records if r.id == job_id)
+
+
+def _busy_ttft(state, port: int, doc: dict, question: str, probe_tokens: int, n_tokens: int,
+               pool: ThreadPoolExecutor) -> dict:
+    """A probe's time to first token while BUSY_ASKERS long answers decode (sent once each has
+    its first token; they are long enough to go on decoding past the probe's first token)."""
+    started = threading.Barrier(BUSY_ASKERS + 1)
+    scheduler = state.scheduler
+    scheduler.hold()
+    try:
+        futures = [pool.submit(stream, port, request(doc, LONG_PROMPT.format(n=i + 1), 3 * n_tokens),
+                               lambda: started.wait(600)) for i in range(BUSY_ASKERS)]
+        if not scheduler.wait_for(lambda s: s.waiting >= BUSY_ASKERS, 600):
+            raise RuntimeError("the requests did not reach the server's queue")
+    finally:
+        scheduler.release()
+    started.wait(600)
+    probe = stream(port, request(doc, question, probe_tokens))
+    long = [f.result() for f in futures]
+    record = _record(state, probe.job_id)
+    still = sum(r.last > probe.first for r in long)
+    return {"ttft": probe.ttft, "beside": min(record.answered_beside, still)}
+
+
+def serve_report(session_info: dict, lengths: dict, routes: dict, askers: list[int], n_tokens: int) -> dict:
+    return {"kind": "serve", "session": session_info, "askers": askers, "tokens": n_tokens,
+            "routes": {mode: asdict(route) for mode, route in routes.items()},
+            "lengths": lengths}
+
+
+def route_label(mode: str, route: dict) -> str:
+    """A route's name in the tables: its mode, and the memory and pins when not the defaults."""
+    from kvlocal.route_settings import DEFAULT_KEEP, DEFAULT_PIN
+
+    if mode == "geometric" and (route["keep"], route["pin"]) != (DEFAULT_KEEP, DEFAULT_PIN):
+        return f"{mode} keep {route['keep']:g} pin {route['pin']}"
+    return mode
+
+
+def serve_text(reports: list[dict]) -> str:
+    """The tables (markdown) of one or more reports, a row per length and route."""
+    askers = sorted({n for r in reports for n in r["askers"]})
+    rows = [(r, by_mode, mode) for r in reports for by_mode in r["lengths"].values() for mode in r["routes"]]
+    lines = sorted({r["session"].get("line", "") for r in reports})
+    lines.append("\naggregate decode tok/s, answers decoded together (end to end in brackets):")
+    lines.append("| context | route | " + " | ".join(f"{n} asker{'s' * (n > 1)}" for n in askers)
+                 + " | most vs 1 | x full, by askers | KV bytes read, reduction |")
+    lines.append("|---:|---|" + "---:|" * (len(askers) + 3))
+    for report, by_mode, mode in rows:
+        row = by_mode[mode]["askers"]
+        rate = {int(n): v["decode_tok_s"] for n, v in row.items()}
+        cells = [f"{rate[n]:.2f} ({row[str(n)]['end_to_end_tok_s']:.2f})" if n in rate else "–" for n in askers]
+        full = by_mode.get("full", {}).get("askers", {})
+        versus = ", ".join(f"{n}: {rate[n] / full[str(n)]['decode_tok_s']:.2f}" for n in sorted(rate) if str(n) in full)
+        most = row[str(max(rate))]
+        cut = most["bytes_dense"] / most["bytes_read"] if most["bytes_read"] else 0
+        lines.append(f"| {by_mode['n_tokens']:,} | {route_label(mode, report['routes'][mode])} | " + " | ".join(cells)
+                     + f" | {rate[max(rate)] / rate[min(rate)]:.2f}x | {(versus if mode != 'full' else '') or '–'} "
+                       f"| {cut:.1f}x |")
+    lines.append(f"\nprobes alone and {BUSY_ASKERS} at a time; time to first token idle and beside "
+                 f"{BUSY_ASKERS} decoding answers:")
+    lines.append("| context | route | same text | correct alone | correct together | TTFT idle s (median) "
+                 "| TTFT busy s | busy / idle |")
+    lines.append("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for report, by_mode, mode in rows:
+        r = by_mode[mode]
+        n = len(r["probes"])
+        idle = statistics.median(r["ttft_idle_s"])
+        alone = sum(p["score_alone"] for p in r["probes"])
+        both = sum(p["score_together"] for p in r["probes"])
+        lines.append(f"| {by_mode['n_tokens']:,} | {route_label(mode, report['routes'][mode])} | {r['same_text']}/{n} "
+                     f"| {alone:g}/{n} | {both:g}/{n} | {idle:.2f} | {r['ttft_busy_s']:.2f} (beside {r['busy_beside']}) "
+                     f"| {r['ttft_busy_s'] / idle:.2f}x |")
+    return "\n".join(lines)
+
+
+def bench_serve(model, threads, lengths: list[int], modes: list[str], routes: dict, askers: list[int],
+                n_tokens: int, n_probes: int, centroid_block: int, centroid_type, log) -> dict:
+    """Every length and route (see the module's docstring); the report."""
+    from kvlocal.evals.runner import make_case
+    from kvlocal.serve.command import open_state, serving_in_thread
+    from kvlocal.serve.schemas import Limits
+    from kvlocal.session import Session
+
+    answers = max(max(askers), BUSY_ASKERS + 1)
+    probe_session = Session(model, threads=threads)  # its vocabulary: the cases' token counts
+    try:
+        depths = [round(0.1 + 0.8 * i / max(1, n_probes - 1), 3) for i in range(n_probes)]
+        cases = {length: make_case(probe_session, "lookalike", length, depths, 0) for length in lengths}
+    finally:
+        probe_session.close()
+    results: dict = {}
+    info: dict = {}
+    for length, case in cases.items():
+        by_mode: dict = {"n_tokens": case.n_tokens}
+        for mode in modes:
+            log(f"serve bench {length}: {case.n_tokens:,} tokens, route {mode}")
+            state = open_state([], [], Limits(), model=model, threads=threads, answers=answers,
+                               queue=2 * answers, route=replace(routes[mode], seed=0), centroid_block=centroid_block,
+                               centroid_type=centroid_type)
+            info = info or {"line": _session_line(state, answers)}
+            with serving_in_thread(state) as port:
+                by_mode[mode] = bench_route(state, port, case, f"lookalike-{length}.txt", askers, n_tokens, log)
+        results[str(length)] = by_mode
+    return serve_report(info, results, routes, askers, n_tokens)
+
+
+def _session_line(state, answers: int) -> str:
+    import platform
+
+    session = state.scheduler.worker.session
+    return (f"model {session.model.path.stem}, {platform.machine()} CPU, {session.threads} threads, "
+            f"serve --batch {answers}, one document asked by every asker")
