@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvlocal.evals import report
+from kvlocal.evals import intervals, report
 
 
 def _row(mode: str, score: float, *, top_k: int = 4, block: int | None = 16, depth: float = 0.5,
@@ -65,7 +65,7 @@ def test_main_cells_use_the_default_scoring_when_others_ran_too():
 
 @pytest.mark.parametrize("successes, n", [(12, 24), (0, 10), (10, 10), (3, 11), (1, 1)])
 def test_wilson_interval_is_the_score_interval(successes: int, n: int):
-    lo, hi = report.wilson_interval(successes / n, n)
+    lo, hi = intervals.wilson_interval(successes / n, n)
     # the Wilson interval's ends are the proportions p whose z-test accepts the observed one at 95 %
     for end in (lo, hi):
         if 0.0 < end < 1.0:
@@ -75,9 +75,9 @@ def test_wilson_interval_is_the_score_interval(successes: int, n: int):
 
 
 def test_wilson_interval_known_values():
-    assert report.wilson_interval(0.5, 24) == pytest.approx([0.3143, 0.6857], abs=1e-4)
-    assert report.wilson_interval(0.0, 10) == pytest.approx([0.0, 0.2775], abs=1e-4)
-    assert report.wilson_interval(0.75, 4) == pytest.approx([0.3006, 0.9544], abs=1e-4)
+    assert intervals.wilson_interval(0.5, 24) == pytest.approx([0.3143, 0.6857], abs=1e-4)
+    assert intervals.wilson_interval(0.0, 10) == pytest.approx([0.0, 0.2775], abs=1e-4)
+    assert intervals.wilson_interval(0.75, 4) == pytest.approx([0.3006, 0.9544], abs=1e-4)
 
 
 def test_fractional_scores_count_as_their_mean_over_n():
@@ -93,8 +93,8 @@ def test_cells_count_rows_and_rows_outside_the_window():
             + [_row("geometric", 1.0, depth=1.0)] * 6)
     [cell] = report.summarize(rows)["cells"]
     assert (cell["n"], cell["accuracy"], cell["n_outside"], cell["accuracy_outside_window"]) == (24, 0.625, 18, 0.5)
-    assert cell["accuracy_ci"] == report.wilson_interval(0.625, 24)
-    assert cell["accuracy_outside_window_ci"] == report.wilson_interval(0.5, 18)
+    assert cell["accuracy_ci"] == intervals.wilson_interval(0.625, 24)
+    assert cell["accuracy_outside_window_ci"] == intervals.wilson_interval(0.5, 18)
     text = report.markdown(report.summarize(rows))
     assert "| 4,096 | passkey | geometric | 62% [43–79] (n=24) | 50% [29–71] (n=18) | 10.0x |" in text
     [near] = report.summarize([_row("geometric", 1.0, depth=1.0)])["cells"]
@@ -106,9 +106,9 @@ def test_sweep_points_carry_their_interval_and_a_differing_n():
     rows = ([_row("full", 1.0, bytes_read=1000)] * 4 + [_row("geometric", 1.0, top_k=2)] * 3
             + [_row("geometric", 0.0, top_k=2)] + [_row("geometric", 1.0, top_k=8)] * 2)
     [sweep] = report.summarize(rows)["sweep"]
-    assert sweep["full_n"] == 4 and sweep["full_accuracy_ci"] == report.wilson_interval(1.0, 4)
+    assert sweep["full_n"] == 4 and sweep["full_accuracy_ci"] == intervals.wilson_interval(1.0, 4)
     assert [(p["top_k"], p["n"], p["accuracy_ci"]) for p in sweep["points"]] == [
-        (2, 4, report.wilson_interval(0.75, 4)), (8, 2, report.wilson_interval(1.0, 2))]
+        (2, 4, intervals.wilson_interval(0.75, 4)), (8, 2, intervals.wilson_interval(1.0, 2))]
     text = report.markdown(report.summarize(rows))
     # rows without shortlist and keep scanned every centroid, kept no memory and decoded the question
     # token by token: labelled so
@@ -183,7 +183,7 @@ def test_routes_put_answer_step_and_total_reductions_side_by_side():
     assert plain["step_mib"] == pytest.approx((15 / 2**20, 10 / 2**20))
     assert pinned["step_mib"] == pytest.approx(plain["step_mib"])
     assert (plain["n_outside"], plain["accuracy_outside_window"]) == (2, 0.5)
-    assert plain["accuracy_outside_window_ci"] == report.wilson_interval(0.5, 2)
+    assert plain["accuracy_outside_window_ci"] == intervals.wilson_interval(0.5, 2)
     assert (plain["same_as_full"], plain["n_paired"]) == (1.0, 2) and pinned["same_as_full"] == 0.5
     assert (plain["wrong_other_fact"], plain["wrong_else"]) == (1, 0)
     assert (pinned["wrong_other_fact"], pinned["wrong_else"]) == (0, 1)

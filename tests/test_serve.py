@@ -63,8 +63,9 @@ class Running:
 
     def record(self, job_id: str):
         """The worker's record of a job, once it is written."""
-        assert self.scheduler.wait_for(lambda s: any(r.id == job_id for r in s.records), 120)
-        return next(r for r in self.scheduler.records if r.id == job_id)
+        record = self.scheduler.record(job_id, 120)
+        assert record is not None
+        return record
 
 
 @contextlib.contextmanager

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
 from kvlocal.atomic import write_text_atomic
 from kvlocal.units import human_bytes
+from kvlocal.evals.intervals import wilson_interval
 from kvlocal.evals.runner import block, hint_rule, question_pass
 from kvlocal.route_settings import (
     DEFAULT_CENTROID_BLOCK, DEFAULT_CENTROID_TYPE, DEFAULT_KEEP, DEFAULT_LAYER_TOP_K, DEFAULT_PIN, DEFAULT_QUESTION,
@@ -17,7 +17,6 @@ from kvlocal.route_settings import (
     UNCALIBRATED_ROUTE, ModelRoute, auto_shortlist, model_route,
 )
 
-Z95 = 1.959964  # the standard normal quantile of a two-sided 95 % interval
 
 
 def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
@@ -54,16 +53,6 @@ def scoring_label(point: dict) -> str:
     shortlist = (" s auto" + (f">={floor}" if floor else "")) if s == SHORTLIST_AUTO else f" s{s}" if s else ""
     return (f"/b{b}" + shortlist + (f" keep {k:g}" if k else "") + f" {q}"
             + (f" {t}" if t != "f16" else "") + (f" pin {pin}" if pin else "") + (f" layers {layers}" if layers else ""))
-
-
-def wilson_interval(accuracy: float, n: int, z: float = Z95) -> list[float]:
-    """The Wilson score interval of a success fraction `accuracy` seen over `n` trials (exact for a
-    mean of 0/1 scores; a fractional mean counts as that many successes)."""
-    shrink = 1 + z * z / n
-    center = (accuracy + z * z / (2 * n)) / shrink
-    half = z / shrink * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n))
-    # at 0 or 1 an end is exactly 0 or 1 (the formula gets there only up to rounding)
-    return [0.0 if accuracy <= 0 else center - half, 1.0 if accuracy >= 1 else center + half]
 
 
 def _accuracy(rows: list[dict]) -> dict:

@@ -27,9 +27,10 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable
 
+from kvlocal.evals.intervals import wilson_interval
 from kvlocal.evals.tasks import Case, score
 
 BUSY_ASKERS = 4  # the answers decoding while a probe is timed, and the probes asked at once
@@ -102,19 +103,20 @@ def document_part(name: str, text: str) -> dict:
     return {"type": "file", "file": {"filename": name, "file_data": f"data:text/plain;base64,{data}"}}
 
 
-def together(state, port: int, bodies: list[dict], pool: ThreadPoolExecutor) -> tuple[list[Reply], float]:
+def together(state, port: int, bodies: list[dict], pool: ThreadPoolExecutor,
+             on_first: Callable[[], None] | None = None) -> tuple[list, float]:
     """Send `bodies` at once, held at the scheduler until all are queued (so they join one batch
-    before its first step); the replies in order and the time of the release."""
+    before its first step); their futures in order and the time of the release."""
     scheduler = state.scheduler
     scheduler.hold()
     try:
-        futures = [pool.submit(stream, port, body) for body in bodies]
+        futures = [pool.submit(stream, port, body, on_first) for body in bodies]
         if not scheduler.wait_for(lambda s: s.waiting >= len(bodies), 600):
             raise RuntimeError("the requests did not reach the server's queue")
     finally:
         released = time.perf_counter()
         scheduler.release()
-    return [f.result() for f in futures], released
+    return futures, released
 
 
 def decode_rate(replies: list[Reply]) -> float:
@@ -138,7 +140,8 @@ def bench_route(state, port: int, case: Case, name: str, askers: list[int], n_to
         rates = {}
         for n in askers:
             bodies = [request(doc, LONG_PROMPT.format(n=i + 1), n_tokens) for i in range(n)]
-            replies, released = together(state, port, bodies, pool)
+            futures, released = together(state, port, bodies, pool)
+            replies = [f.result() for f in futures]
             tokens = sum(r.completion_tokens for r in replies)
             end_to_end = tokens / (max(r.last for r in replies) - released)
             rates[n] = {"decode_tok_s": decode_rate(replies), "end_to_end_tok_s": end_to_end, "tokens": tokens,
@@ -150,7 +153,8 @@ def bench_route(state, port: int, case: Case, name: str, askers: list[int], n_to
         grouped: list[Reply] = []
         for at in range(0, len(probes), BUSY_ASKERS):
             group = probes[at:at + BUSY_ASKERS]
-            grouped += together(state, port, [request(doc, p.question, probe_tokens) for p in group], pool)[0]
+            grouped += [f.result() for f in together(state, port, [request(doc, p.question, probe_tokens)
+                                                                   for p in group], pool)[0]]
         busy = _busy_ttft(state, port, doc, probes[-1].question, probe_tokens, n_tokens, pool)
     same = sum(a.text == g.text for a, g in zip(alone, grouped))
     log(f"  probes: {same}/{len(probes)} same text alone and {BUSY_ASKERS} at a time; "
@@ -169,10 +173,10 @@ def bench_route(state, port: int, case: Case, name: str, askers: list[int], n_to
 
 
 def _record(state, job_id: str):
-    scheduler = state.scheduler
-    if not scheduler.wait_for(lambda s: any(r.id == job_id for r in s.records), 60):
+    record = state.scheduler.record(job_id, 60)
+    if record is None:
         raise RuntimeError(f"no record of {job_id}")
-    return next(r for r in scheduler.records if r.id == job_id)
+    return record
 
 
 def _busy_ttft(state, port: int, doc: dict, question: str, probe_tokens: int, n_tokens: int,
@@ -180,15 +184,8 @@ def _busy_ttft(state, port: int, doc: dict, question: str, probe_tokens: int, n_
     """A probe's time to first token while BUSY_ASKERS long answers decode (sent once each has
     its first token; they are long enough to go on decoding past the probe's first token)."""
     started = threading.Barrier(BUSY_ASKERS + 1)
-    scheduler = state.scheduler
-    scheduler.hold()
-    try:
-        futures = [pool.submit(stream, port, request(doc, LONG_PROMPT.format(n=i + 1), 3 * n_tokens),
-                               lambda: started.wait(600)) for i in range(BUSY_ASKERS)]
-        if not scheduler.wait_for(lambda s: s.waiting >= BUSY_ASKERS, 600):
-            raise RuntimeError("the requests did not reach the server's queue")
-    finally:
-        scheduler.release()
+    bodies = [request(doc, LONG_PROMPT.format(n=i + 1), 3 * n_tokens) for i in range(BUSY_ASKERS)]
+    futures, _ = together(state, port, bodies, pool, lambda: started.wait(600))
     started.wait(600)
     probe = stream(port, request(doc, question, probe_tokens))
     long = [f.result() for f in futures]
@@ -234,19 +231,25 @@ def serve_text(reports: list[dict]) -> str:
                        f"| {cut:.1f}x |")
     lines.append(f"\nprobes alone and {BUSY_ASKERS} at a time; time to first token idle and beside "
                  f"{BUSY_ASKERS} decoding answers:")
-    lines.append("| context | route | same text | correct alone | correct together | TTFT idle s (median) "
+    lines.append("| context | route | same text | correct alone [95 % CI] | correct together [95 % CI] | TTFT idle s (median) "
                  "| TTFT busy s | busy / idle |")
     lines.append("|---:|---|---:|---:|---:|---:|---:|---:|")
     for report, by_mode, mode in rows:
         r = by_mode[mode]
         n = len(r["probes"])
         idle = statistics.median(r["ttft_idle_s"])
-        alone = sum(p["score_alone"] for p in r["probes"])
-        both = sum(p["score_together"] for p in r["probes"])
+        alone, both = (_correct([p[key] for p in r["probes"]]) for key in ("score_alone", "score_together"))
         lines.append(f"| {by_mode['n_tokens']:,} | {route_label(mode, report['routes'][mode])} | {r['same_text']}/{n} "
-                     f"| {alone:g}/{n} | {both:g}/{n} | {idle:.2f} | {r['ttft_busy_s']:.2f} (beside {r['busy_beside']}) "
+                     f"| {alone} | {both} | {idle:.2f} | {r['ttft_busy_s']:.2f} (beside {r['busy_beside']}) "
                      f"| {r['ttft_busy_s'] / idle:.2f}x |")
     return "\n".join(lines)
+
+
+def _correct(scores: list[float]) -> str:
+    """Correct probes, their share and its 95 % Wilson interval (each probe asks one fact: 0 or 1)."""
+    n, right = len(scores), sum(scores)
+    low, high = wilson_interval(right / n, n)
+    return f"{right:g}/{n} [{100 * low:.0f}–{100 * high:.0f} %]"
 
 
 def bench_serve(model, threads, lengths: list[int], modes: list[str], routes: dict, askers: list[int],
@@ -271,7 +274,7 @@ def bench_serve(model, threads, lengths: list[int], modes: list[str], routes: di
         for mode in modes:
             log(f"serve bench {length}: {case.n_tokens:,} tokens, route {mode}")
             state = open_state([], [], Limits(), model=model, threads=threads, answers=answers,
-                               queue=2 * answers, route=replace(routes[mode], seed=0), centroid_block=centroid_block,
+                               queue=2 * answers, route=routes[mode], centroid_block=centroid_block,
                                centroid_type=centroid_type)
             info = info or {"line": _session_line(state, answers)}
             with serving_in_thread(state) as port:

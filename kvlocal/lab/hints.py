@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvlocal.evals.library_cases import SetCase
-from kvlocal.evals.report import wilson_interval
+from kvlocal.evals.intervals import wilson_interval
 from kvlocal.hints import FOLLOW, TextIndex, cell_text, hint_cells
 
 

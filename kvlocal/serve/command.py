@@ -18,7 +18,7 @@ import typer
 from kvlocal.addresses import is_loopback
 from kvlocal.cli_options import CtxOpt, KvTypeOpt, MaxKvOpt, ModelOpt, RouteOpt, RouteOptions, ThreadsOpt, option_groups
 from kvlocal.errors import UsageError
-from kvlocal.route_settings import DEFAULT_MODE, MAX_ANSWER_TOKENS, MAX_ANSWERS
+from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_MODE, MAX_ANSWER_TOKENS, MAX_ANSWERS
 
 DEFAULT_PORT = 8080
 
@@ -98,7 +98,8 @@ def _size(text: str, setting: str) -> int:
 
 
 def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=None, threads=None, kv_type="f16",
-               max_kv=None, queue=8, audit=False, answers=1, route=None, centroid_block=None, centroid_type=None):
+               max_kv=None, queue=8, audit=False, answers=1, route=None, centroid_block=DEFAULT_CENTROID_BLOCK,
+               centroid_type=None):
     """The server's state: the named documents read, the keys checked, the model loaded; `route` (a
     RouteConfig; None: kvlocal ask's default) decodes every answer."""
     from kvlocal.serve.app import ServerState
@@ -110,11 +111,8 @@ def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=N
     for message in catalog.skipped:
         print(f"kvlocal serve: {message}", file=sys.stderr, flush=True)
     ring = KeyRing.parse(keys, catalog)
-    from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK
-
     session = Session(model, n_ctx=ctx, threads=threads, kv_type=kv_type, answers=answers,
-                      centroid_block=DEFAULT_CENTROID_BLOCK if centroid_block is None else centroid_block,
-                      centroid_type=centroid_type)
+                      centroid_block=centroid_block, centroid_type=centroid_type)
     scheduler = Scheduler(session, queue_size=queue, max_kv=max_kv, audit=audit, route=route)
     return ServerState(scheduler, catalog, ring, limits, session.model.path.stem)
 

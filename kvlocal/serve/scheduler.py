@@ -4,10 +4,10 @@ Requests become Jobs. `Scheduler.submit` admits a job while fewer than `queue_si
 ApiError 429) and hands it to the Worker, which owns the one Session and answers the jobs one at a
 time, in arrival order: it readies the job's documents as `kvlocal ask A B "q"` does (a set through
 kvlocal.library.load_set, cached per document; the set left loaded for the next job that asks the
-same documents), decodes the answer with the server's route (`kvlocal ask`'s default unless `serve --route` and its
-options say otherwise), and sends the pieces back to the
-request's event loop. A job's `cancel` (its client went away, or the server stops) ends its prefill
-or decoding after the current batch or token, and the worker takes the next job.
+same documents), decodes the answer with the server's route (`kvlocal ask`'s default unless `serve
+--route` and its options say otherwise), and sends the pieces back to the request's event loop. A
+job's `cancel` (its client went away, or the server stops) ends its prefill or decoding after the
+current batch or token, and the worker takes the next job.
 
 With `answers` > 1 (`kvlocal serve --batch N`) the worker decodes up to that many jobs together
 (kvlocal.batch.AnswerBatch): between two steps it takes the waiting jobs that ask the documents
@@ -133,6 +133,12 @@ class Scheduler:
         with self._changed:
             return self._changed.wait_for(lambda: predicate(self), timeout)
 
+    def record(self, job_id: str, timeout: float) -> JobRecord | None:
+        """The worker's record of a job once it is written (None if it is not within `timeout` seconds)."""
+        if not self.wait_for(lambda s: any(r.id == job_id for r in s.records), timeout):
+            return None
+        return next(r for r in self.records if r.id == job_id)
+
     def stop(self) -> None:
         """Cancel the running and waiting jobs, let the worker finish what it is writing, and join it."""
         self.cancel_running()
@@ -203,7 +209,7 @@ class Worker:
     with the session's `answers` > 1 several jobs of the same documents together)."""
 
     def __init__(self, session: Session, *, max_kv: int | None, log: Callable[[str], None], audit: bool,
-                 route: RouteConfig = DEFAULT_ROUTE) -> None:
+                 route: RouteConfig) -> None:
         self.session = session
         self.route = route  # every answer's (its seed the request's)
         self.max_kv = max_kv
