@@ -6,10 +6,8 @@ and every `step()` decodes one token of every open answer in one llama_decode, t
 each sequence over the cells it sees (patch 0017): the documents' and its own question and answer,
 never another answer's. Answers join between steps and leave when they end (their cells dropped).
 
-What differs from `Session.ask`: while more than one answer is open a step reads with no selection
-memory and no pins (they follow one sequence: the engine leaves them out of a step of several), and
-the question hints of every open answer are set at once (each answer may also read the others'
-hinted regions, of the same documents). With one answer open a step is routed as `ask` routes it.
+Each answer's steps route as `Session.ask` routes them alone (patches 0012, 0017): its own selection memory,
+the pins of its own question and its own hints, whichever answers decode beside it.
 """
 
 from __future__ import annotations
@@ -71,7 +69,6 @@ class AnswerBatch:
         self.asked = route
         self.open: dict[int, _Open] = {}
         self._free = list(range(session.answers, 0, -1))  # sequence ids; 0 is the documents'
-        self._hints: dict[int, tuple[int, ...]] = {}
         session.rewind()  # sequence 0: the documents only, shared as they are with each answer
 
     @property
@@ -98,8 +95,7 @@ class AnswerBatch:
             raise ContextOverflowError(f"no room for another answer: {len(self.open)} open, {self.room:,} cells free")
         route = session.resolve_answer_route(question, self.asked)
         seq = self._free.pop()
-        self._hints[seq] = tuple(route.hint_cells)
-        self._set_hints()
+        context.set_hints(route.hint_cells, seq=seq)
         context.copy_sequence(0, seq)
         summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, model_layers=session.n_layer,
                                 placement=session.layer_placement())
@@ -133,10 +129,6 @@ class AnswerBatch:
         if own is not None:
             summary.add(own)
         return own
-
-    def _set_hints(self) -> None:
-        """The hints of every open answer at once (the engine keeps one list per context)."""
-        self.context.set_hints(sorted({c for hints in self._hints.values() for c in hints}))
 
     def step(self) -> list[Step]:
         """One token of every open answer, decoded in one batch. An answer that ends (its end token,
@@ -177,7 +169,6 @@ class AnswerBatch:
         summary.text = "".join(answer.pieces) + tail
         summary.decode_seconds = time.perf_counter() - answer.started
         del self.open[answer.seq]
-        self._hints.pop(answer.seq, None)
         self.context.remove_positions(answer.seq)
         self._free.append(answer.seq)
         return summary, tail
@@ -186,5 +177,4 @@ class AnswerBatch:
         """End every open answer (their cells dropped; the documents' stay)."""
         for answer in list(self.open.values()):
             self._finish(answer)
-        self._set_hints()
 

@@ -288,6 +288,8 @@ def route_api() -> ctypes.CDLL:
     lib.llama_kv_route_get_stats.restype = ctypes.c_int32
     lib.llama_kv_route_set_hints.argtypes = [ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
     lib.llama_kv_route_set_hints.restype = ctypes.c_int32
+    lib.llama_kv_route_set_hints_seq.argtypes = [ctx_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
+    lib.llama_kv_route_set_hints_seq.restype = ctypes.c_int32
     for name in ("llama_kv_route_set_layer_top_k", "llama_kv_route_get_regions", "llama_kv_route_get_layers"):
         fn = getattr(lib, name)
         fn.argtypes = [ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
@@ -826,11 +828,17 @@ class EngineContext:
         """What the last ubatch read (see the module's `read_stats`)."""
         return read_stats(self._llm.ctx, with_regions=with_regions)
 
-    def set_hints(self, cells: Sequence[int]) -> None:
-        """Name the cells the next decodes read in place of top-k choices (none: clear them); EngineError
-        if the engine does not take them."""
+    def set_hints(self, cells: Sequence[int], seq: int | None = None) -> None:
+        """Name the cells the next decodes read in place of top-k choices (none: clear them): of every
+        sequence (which drops those any sequence was given alone), or of sequence `seq` alone (its
+        steps read these in place of every sequence's); EngineError if the engine does not take them."""
         array = (ctypes.c_int32 * max(1, len(cells)))(*cells)
-        if route_api().llama_kv_route_set_hints(self._llm.ctx, array, len(cells)) != 0 and cells:
+        api = route_api()
+        if seq is None:
+            failed = api.llama_kv_route_set_hints(self._llm.ctx, array, len(cells)) != 0 and cells
+        else:
+            failed = api.llama_kv_route_set_hints_seq(self._llm.ctx, seq, array, len(cells)) != 0
+        if failed:
             raise EngineError("the engine did not take the route hints")
 
     def route_centroid_block(self) -> int:

@@ -5,8 +5,9 @@ answer step of each decoded together.
 Each sequence's plan is the one it would have decoded alone: its sink, its window and top-k of its own
 document's regions, per layer and KV head, counted exactly per sequence. With every region selected
 each sequence's logits are its dense logits (the every-region oracle, per sequence); decoded together
-or alone, a sequence reads the same regions and gets the same logits; no sequence gathers a region of
-another's document."""
+or alone, a sequence reads the same regions and gets the same logits, with its own selection memory,
+the pins of its own question and its own hints (patch 0018); no sequence gathers a region of another's
+document."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.engine
 
 from kvlocal.engine import EngineContext, SequenceStep, decode_batch, llama_cpp  # noqa: E402
-from kvlocal.errors import UsageError  # noqa: E402
+from kvlocal.errors import EngineError, UsageError  # noqa: E402
 from kvlocal.routing import Fallback, Route  # noqa: E402
 
 R = 64  # cells per region
@@ -26,9 +27,9 @@ ROW_BYTES = 2 * HEAD_DIM * 2  # a K and a V row of one KV head, f16
 DOC_REGIONS = {0: 24, 1: 18, 2: 12}
 STEP_REGION = sum(DOC_REGIONS.values())  # the region the answer steps' cells land in (region 54)
 FIXED = 3  # each sequence's first region (its sink) and the last two it sees (its window)
-# keep and pins follow one sequence: a multi-sequence ubatch reads neither, so the routes compared
-# with decoding alone go without them
 GEOMETRIC = Route(mode="geometric", top_k=2, region=R, shortlist=0, keep=0.0, pin=0)
+# with a selection memory and pins, as kvlocal ask routes (each sequence has its own)
+REMEMBERING = Route(mode="geometric", top_k=3, region=R, shortlist=0, keep=0.9, pin=2)
 
 
 def doc_regions(seq: int) -> list[int]:
@@ -180,3 +181,109 @@ def test_a_batch_takes_one_step_per_sequence(ctx):
     with pytest.raises(UsageError, match="one token of each sequence"):
         ctx.decode_steps([SequenceStep(0, 5, doc_length(0)), SequenceStep(0, 6, doc_length(0) + 1)])
     assert llama_cpp().llama_memory_seq_pos_max(llama_cpp().llama_get_memory(ctx.raw_context), 0) == doc_length(0) - 1
+
+
+# a question of each sequence, read at once (a dense pass, which writes its sequence's pins), and the
+# tokens of its answer's steps
+QUESTION = {0: [31, 32, 33, 34, 35, 36], 1: [61, 62, 63, 64, 65], 2: [91, 92, 93, 94, 95, 96, 97]}
+ANSWER = {0: [5, 6, 7, 8, 9], 1: [17, 18, 19, 20, 21], 2: [42, 43, 44, 45, 46]}
+
+
+def answer_steps(seq: int, t: int) -> SequenceStep:
+    return SequenceStep(seq, ANSWER[seq][t], doc_length(seq) + len(QUESTION[seq]) + t)
+
+
+def answered(ctx: EngineContext, route: Route, seqs: list[int], together: bool) -> dict[int, list]:
+    """Each sequence's question read, then its answer's steps decoded, all sequences' together (one
+    ubatch a step) or one sequence after another: per sequence, (logits, its read stats) per step; the
+    questions' and answers' cells removed after."""
+    ctx.apply_route(route)
+    per_seq: dict[int, list] = {seq: [] for seq in seqs}
+    try:
+        groups = [seqs] if together else [[seq] for seq in seqs]
+        for group in groups:
+            for seq in group:
+                ctx.decode_sequence(seq, QUESTION[seq], doc_length(seq))
+            for t in range(len(ANSWER[group[0]])):
+                steps = [answer_steps(seq, t) for seq in group]
+                logits = ctx.decode_steps(steps)
+                st = ctx.read_stats()
+                for step, step_logits in zip(steps, logits):
+                    per_seq[step.seq].append((step_logits, st.sequences[step.seq] if together else st))
+            if not together:
+                ctx.remove_positions(group[0], doc_length(group[0]), -1)
+    finally:
+        for seq in seqs:
+            ctx.remove_positions(seq, doc_length(seq), -1)
+    return per_seq
+
+
+def test_memory_and_pins_route_each_sequence_together_as_alone(ctx):
+    """Every step of every answer reads the regions it reads decoded alone, with the selection memory of
+    its own steps and the pins of its own question (their bytes counted as alone)."""
+    seqs = list(DOC_REGIONS)
+    together = answered(ctx, REMEMBERING, seqs, together=True)
+    alone = answered(ctx, REMEMBERING, seqs, together=False)
+    for seq in seqs:
+        for t, ((logits, own), (alone_logits, alone_st)) in enumerate(zip(together[seq], alone[seq])):
+            assert alone_st.sequences == {} and alone_st.fallback == Fallback.OK
+            assert np.array_equal(own.regions, alone_st.regions), (seq, t)
+            assert (own.rows_read, own.bytes_kv, own.bytes_meta) == (alone_st.rows_read, alone_st.bytes_kv,
+                                                                     alone_st.bytes_meta), (seq, t)
+            np.testing.assert_allclose(logits, alone_logits, rtol=0, atol=1e-4)
+
+
+def test_an_answer_ending_keeps_the_memory_of_the_others(ctx):
+    """Sequence 1's cells removed between two steps of the others: their next steps still route as alone."""
+    ctx.apply_route(REMEMBERING)
+    try:
+        for seq in DOC_REGIONS:
+            ctx.decode_sequence(seq, QUESTION[seq], doc_length(seq))
+        ctx.decode_steps([answer_steps(seq, 0) for seq in DOC_REGIONS])
+        ctx.remove_positions(1, doc_length(1), -1)
+        steps = [answer_steps(0, 1), answer_steps(2, 1)]
+        ctx.decode_steps(steps)
+        together = ctx.read_stats().sequences
+    finally:
+        for seq in DOC_REGIONS:
+            ctx.remove_positions(seq, doc_length(seq), -1)
+    alone = answered(ctx, REMEMBERING, [0, 2], together=False)
+    for seq in (0, 2):
+        assert np.array_equal(together[seq].regions, alone[seq][1][1].regions), seq
+
+
+def test_a_sequences_own_hints_route_it_as_the_same_hints_alone(ctx):
+    """Sequence 0 given its own hint, sequence 2 the hint of every sequence: decoded together, each reads
+    what the same hint reads it alone; a sequence given none of its own but hints of another's cells
+    reads as with no hints."""
+    hinted = {0: doc_regions(0)[10] * R + 3, 2: doc_regions(2)[5] * R + 1}
+    try:
+        ctx.set_hints([hinted[2]])
+        ctx.set_hints([hinted[0]], seq=0)
+        together, st = decode(ctx, GEOMETRIC, STEPS)
+        ctx.set_hints([hinted[0]])
+        alone_0 = decode(ctx, GEOMETRIC, [STEPS[0]])[1]
+        ctx.set_hints([hinted[2]])
+        alone_2 = decode(ctx, GEOMETRIC, [STEPS[2]])[1]
+        ctx.set_hints([])
+        alone_1 = decode(ctx, GEOMETRIC, [STEPS[1]])[1]
+    finally:
+        ctx.set_hints([])
+    for seq, alone_st in ((0, alone_0), (1, alone_1), (2, alone_2)):
+        assert np.array_equal(st.sequences[seq].regions, alone_st.regions), seq
+    for seq in (0, 2):
+        for layer in regions_read(st.sequences[seq]):
+            assert all(hinted[seq] // R in head for head in layer), seq
+
+
+def test_hints_of_every_sequence_drop_a_sequences_own(ctx):
+    try:
+        ctx.set_hints([doc_regions(0)[10] * R], seq=0)
+        ctx.set_hints([])
+        _, st = decode(ctx, GEOMETRIC, STEPS)
+    finally:
+        ctx.set_hints([])
+    _, plain = decode(ctx, GEOMETRIC, STEPS)
+    assert np.array_equal(st.sequences[0].regions, plain.sequences[0].regions)
+    with pytest.raises(EngineError):
+        ctx.set_hints([1], seq=len(DOC_REGIONS))

@@ -50,8 +50,8 @@ def serve(
     batch: Annotated[int, typer.Option(
         "--batch", min=1, max=MAX_ANSWERS,
         help="Answers decoded together: requests that ask the documents loaded join the running ones between "
-             "two tokens, each its own sequence routed over its own documents. Above 1 a step of several answers "
-             "reads without the route's selection memory and pins (each answer alone reads as `kvlocal ask`).")] = 1,
+             "two tokens, each its own sequence routed over its own documents with its own selection memory, "
+             "pins and hints, as `kvlocal ask` routes it.")] = 1,
     route: RouteOpt = DEFAULT_MODE,
     routing: RouteOptions = RouteOptions(),
 ) -> None:
