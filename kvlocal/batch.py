@@ -7,7 +7,9 @@ each sequence over the cells it sees (patch 0017): the documents' and its own qu
 never another answer's. Answers join between steps and leave when they end (their cells dropped).
 
 Each answer's steps route as `Session.ask` routes them alone (patches 0012, 0017): its own selection memory,
-the pins of its own question and its own hints, whichever answers decode beside it.
+the pins of its own question and its own hints, whichever answers decode beside it. Each answer also
+keeps to its own cells (patch 0018): a run of whole regions after the documents', so that no region
+mixes answers, and an answer reads the regions, and gets the text, it gets decoded in a batch of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class _Open:
 
     seq: int
     pos: int
-    reserved: int  # cells kept for it: its question and its most answer tokens
+    cells: tuple[int, int]  # the cells kept for it, [start, end): its question and its most answer tokens
     max_tokens: int
     temperature: float
     rng: np.random.Generator
@@ -71,13 +73,20 @@ class AnswerBatch:
         self._free = list(range(session.answers, 0, -1))  # sequence ids; 0 is the documents'
         session.rewind()  # sequence 0: the documents only, shared as they are with each answer
 
-    @property
-    def room(self) -> int:
-        """Cells not yet kept for an open answer."""
-        return self.context.n_ctx - self.session.prefix_cells - sum(a.reserved for a in self.open.values())
+    def _cells_for(self, n_cells: int, region: int) -> tuple[int, int] | None:
+        """The first run of whole regions of `region` cells after the documents' that holds `n_cells`
+        and no open answer's cells; None when the context has none."""
+        size = -(-n_cells // region) * region
+        start = -(-self.session.prefix_cells // region) * region
+        for lo, hi in sorted(a.cells for a in self.open.values()):
+            if start + size <= lo:
+                break
+            start = max(start, -(-hi // region) * region)
+        return (start, start + size) if start + size <= self.context.n_ctx else None
 
     def can_take(self, question_tokens: int, max_tokens: int) -> bool:
-        return bool(self._free) and self.room >= question_tokens + max_tokens
+        region = self.session.route_for(self.asked).region
+        return bool(self._free) and self._cells_for(question_tokens + max_tokens, region) is not None
 
     def question_tokens(self, question: str) -> list[int]:
         session = self.session
@@ -91,17 +100,26 @@ class AnswerBatch:
         session, context = self.session, self.context
         check_ask_settings(question, max_tokens, temperature, seed)
         q_tokens = self.question_tokens(question)
-        if not self.can_take(len(q_tokens), max_tokens):
-            raise ContextOverflowError(f"no room for another answer: {len(self.open)} open, {self.room:,} cells free")
         route = session.resolve_answer_route(question, self.asked)
+        cells = self._cells_for(len(q_tokens) + max_tokens, route.region) if self._free else None
+        if cells is None:
+            raise ContextOverflowError(f"no room for another answer: {len(self.open)} open in {context.n_ctx:,} cells")
         seq = self._free.pop()
-        context.set_hints(route.hint_cells, seq=seq)
-        context.copy_sequence(0, seq)
         summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, model_layers=session.n_layer,
                                 placement=session.layer_placement())
-        logits = self._read_question(seq, q_tokens, route, summary, want_regions)
+        try:
+            context.keep_cells(seq, *cells)
+            context.set_hints(route.hint_cells, seq=seq)
+            context.copy_sequence(0, seq)
+            logits = self._read_question(seq, q_tokens, route, summary, want_regions)
+        except BaseException:
+            # the sequence and its cells are free again (Ctrl-C or an engine error while reading)
+            context.remove_positions(seq)
+            context.keep_cells(seq)
+            self._free.append(seq)
+            raise
         summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
-        self.open[seq] = _Open(seq, session.n_prefix + len(q_tokens), len(q_tokens) + max_tokens, max_tokens,
+        self.open[seq] = _Open(seq, session.n_prefix + len(q_tokens), cells, max_tokens,
                                temperature, np.random.default_rng(seed), cancel, summary, logits, want_regions,
                                time.perf_counter(), AnswerText(context, session.parts.stops))
         return seq
@@ -170,6 +188,7 @@ class AnswerBatch:
         summary.decode_seconds = time.perf_counter() - answer.started
         del self.open[answer.seq]
         self.context.remove_positions(answer.seq)
+        self.context.keep_cells(answer.seq)
         self._free.append(answer.seq)
         return summary, tail
 

@@ -290,6 +290,8 @@ def route_api() -> ctypes.CDLL:
     lib.llama_kv_route_set_hints.restype = ctypes.c_int32
     lib.llama_kv_route_set_hints_seq.argtypes = [ctx_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
     lib.llama_kv_route_set_hints_seq.restype = ctypes.c_int32
+    lib.llama_kv_route_set_seq_cells.argtypes = [ctx_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+    lib.llama_kv_route_set_seq_cells.restype = ctypes.c_int32
     for name in ("llama_kv_route_set_layer_top_k", "llama_kv_route_get_regions", "llama_kv_route_get_layers"):
         fn = getattr(lib, name)
         fn.argtypes = [ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
@@ -789,6 +791,12 @@ class EngineContext:
         """Drop the cells of sequence `seq` at positions [start, end) (-1: from the first, to the last)."""
         module, mem = self._memory()
         module.llama_memory_seq_rm(mem, seq, start, end)
+
+    def keep_cells(self, seq: int, start: int = 0, end: int = 0) -> None:
+        """Sequence `seq`'s next tokens go into cells [start, end), and no other sequence's do (start ==
+        end: anywhere); EngineError if the range is outside the cache or overlaps another sequence's."""
+        if route_api().llama_kv_route_set_seq_cells(self._llm.ctx, seq, start, end) != 0:
+            raise EngineError(f"the engine did not give sequence {seq} the cells {start}-{end}")
 
     def copy_sequence(self, source: int, dest: int) -> None:
         """Share every cell of sequence `source` with sequence `dest`."""

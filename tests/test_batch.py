@@ -1,8 +1,9 @@
 """Answers decoded together (kvlocal.batch) on the tiny model: with full attention, and with every region
 selected, each answer of a batch is the answer `Session.ask` gives alone (text and tokens), answers join
-and leave between steps, and room is bounded. A routed answer in a batch reads fewer rows than dense, and
-never fewer than alone: its window and regions also hold the (masked) cells of the answers beside it, so
-its selection, and so its text, may differ from the same answer alone."""
+and leave between steps, and room is bounded. Routed, with or without the selection memory and pins, an
+answer decoded beside others is the answer decoded in a batch of its own, text and rows read (each keeps
+to its own whole regions); beside `Session.ask`, whose question follows the documents in their last
+region, it may read other regions."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def words(tag: str, n: int = 120) -> str:
 
 QUESTIONS = ["what does alpha3 hold?", "what does alpha40 hold?", "which word follows alpha7?"]
 ROUTED = Route(mode="geometric", top_k=2, region=64, shortlist=0, keep=0.0, pin=0)
+REMEMBERING = Route(mode="geometric", top_k=3, region=64, shortlist=0, keep=0.9, pin=2)
 EVERY = Route(mode="geometric", top_k=4096, region=64, shortlist=0, keep=0.0, pin=0)
 FULL = Route(mode="full")
 MAX_TOKENS = 8
@@ -67,22 +69,28 @@ def together(session: Session, route: Route, questions: list[str], join_after: i
     return done
 
 
-@pytest.mark.parametrize("route", [ROUTED, FULL], ids=["routed", "full"])
-def test_each_answer_of_a_batch_is_its_answer_alone(session, route):
-    expected = {q: alone(session, route, q) for q in QUESTIONS}
+@pytest.mark.parametrize("route", [ROUTED, REMEMBERING, FULL], ids=["routed", "memory-and-pins", "full"])
+def test_each_answer_of_a_batch_is_its_answer_in_a_batch_of_its_own(session, route):
+    expected = {q: together(session, route, [q])[q] for q in QUESTIONS}
     got = together(session, route, QUESTIONS)
     for q in QUESTIONS:
-        if route.mode == "full":
-            assert got[q].text == expected[q].text, q
-            assert got[q].n_answer_tokens == expected[q].n_answer_tokens
-        else:
-            assert got[q].rows_read < got[q].rows_dense and got[q].n_answer_tokens > 0
-        # a step of several answers reads, in the window's cells, the other answers' cells beside its own
-        # (masked): never fewer rows than alone; dense attention there reads every answer's cells
-        assert expected[q].rows_read <= got[q].rows_read <= got[q].rows_dense, q
+        assert got[q].text == expected[q].text, q
+        assert got[q].n_answer_tokens == expected[q].n_answer_tokens > 0
+        # its own regions only: the rows it gathers are the same; dense attention reads every answer's cells
+        assert got[q].rows_read == expected[q].rows_read, q
         assert expected[q].rows_dense <= got[q].rows_dense
         if route.mode == "full":
             assert got[q].rows_read == got[q].rows_dense
+        else:
+            assert got[q].rows_read < got[q].rows_dense
+
+
+def test_with_full_attention_a_batch_answers_as_ask(session):
+    expected = {q: alone(session, FULL, q) for q in QUESTIONS}
+    got = together(session, FULL, QUESTIONS)
+    for q in QUESTIONS:
+        assert got[q].text == expected[q].text, q
+        assert got[q].n_answer_tokens == expected[q].n_answer_tokens
 
 
 def test_every_region_selected_in_a_batch_is_dense_attention(session):

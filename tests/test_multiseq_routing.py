@@ -287,3 +287,23 @@ def test_hints_of_every_sequence_drop_a_sequences_own(ctx):
     assert np.array_equal(st.sequences[0].regions, plain.sequences[0].regions)
     with pytest.raises(EngineError):
         ctx.set_hints([1], seq=len(DOC_REGIONS))
+
+
+def test_each_sequence_kept_to_its_cells_reads_its_own_region(ctx):
+    """Each sequence given a region of its own: its step lands there (its window reads that region),
+    another sequence's range is refused, and a sequence without one keeps out of the others'."""
+    own = {0: STEP_REGION + 1, 2: STEP_REGION + 3}  # sequence 1 keeps no cells
+    try:
+        for seq, region in own.items():
+            ctx.keep_cells(seq, region * R, (region + 1) * R)
+        with pytest.raises(EngineError):
+            ctx.keep_cells(1, own[0] * R + 8, own[0] * R + 72)
+        _, st = decode(ctx, GEOMETRIC, STEPS)
+    finally:
+        for seq in own:
+            ctx.keep_cells(seq)
+    for seq, region in own.items():
+        assert all(region in head for layer in regions_read(st.sequences[seq]) for head in layer), seq
+    # sequence 1's step took the first empty cell outside them: the region after the documents'
+    assert all(STEP_REGION in head for layer in regions_read(st.sequences[1]) for head in layer)
+    assert not any(r in head for r in own.values() for layer in regions_read(st.sequences[1]) for head in layer)
