@@ -239,6 +239,13 @@ class Session:
         cells = self.cells_for(n_tokens)
         return min(self.trained_ctx, cells) if self.answers == 1 else cells
 
+    def state_ctx(self, n_tokens: int) -> int:
+        """The context size a document's saved state is keyed by: the one `kvlocal ask` takes for a
+        prefix of `n_tokens` by default (one answer, no --ctx), whatever context it is loaded into. A
+        prefill writes the same K/V bytes whatever the context's size (only the cells it uses are read),
+        so `ask`, `ask --ctx N` and `serve --batch N` share one saved state."""
+        return min(self.trained_ctx, -(-(n_tokens + ANSWER_RESERVE) // CTX_ROUND) * CTX_ROUND)
+
     def cells_for(self, n_cells: int) -> int:
         """The context's cells for a prefix of `n_cells`: the answer room of one answer, or of each
         answer decoded together (each sequence has its own positions: the trained context bounds
@@ -311,8 +318,8 @@ class Session:
         tag = self.prefill_tag(prefill, len(tokens))
         if tag == "dense":
             prefill = PrefillConfig()  # no ubatch of it would route: it is the dense prefill, and says so
-        result = self._load_prefix(tokens, self.state_key(text, n_ctx, tag), n_ctx, label, progress, cancel,
-                                   use_cache, prefill)
+        key = self.state_key(text, self.state_ctx(len(tokens)), tag)
+        result = self._load_prefix(tokens, key, n_ctx, label, progress, cancel, use_cache, prefill)
         self.layout = layout
         return result
 

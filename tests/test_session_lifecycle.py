@@ -98,3 +98,27 @@ def test_the_question_pass_decides_how_the_question_reads_the_document(cache, ti
         assert st.n_layer_routed == 0 and st.rows_read == st.rows_dense  # the prefill read densely
     finally:
         session.close()
+
+
+def test_a_prefill_writes_the_same_state_whatever_the_context_size(cache, tiny_model):
+    """The same document prefilled in contexts of different sizes (and sequences) gives the same K/V
+    bytes, so one saved state serves them all: found by `--ctx N` and by a session of several answers,
+    which answer as the fresh prefill does."""
+    states, answers = [], []
+    for n_ctx, n_answers in ((None, 1), (4096, 1), (None, 3)):
+        session = Session(str(tiny_model), n_ctx=n_ctx, threads=2, answers=n_answers)
+        session.load_document(TEXT_A, use_cache=False)
+        states.append(session.kv_state())
+        answers.append(answer(session, "what is entry 3?"))
+        session.close()
+    assert states[0] == states[1] == states[2]
+    first = Session(str(tiny_model), threads=2)
+    saved = first.load_document(TEXT_A)
+    assert not saved.cache_hit and saved.saved
+    first.close()
+    for n_ctx, n_answers in ((4096, 1), (None, 3)):
+        session = Session(str(tiny_model), n_ctx=n_ctx, threads=2, answers=n_answers)
+        loaded = session.load_document(TEXT_A)
+        assert loaded.cache_hit and loaded.n_ctx != saved.n_ctx, (n_ctx, n_answers)
+        assert answer(session, "what is entry 3?") == answers[0]
+        session.close()
