@@ -35,6 +35,7 @@ PROBE_TIMEOUT_S = 5.0
 # own, and the client accepts the same major version and a minor version no newer than its own
 RPC_PROTOCOL = (7, 0, 0)
 _CMD_GET_DEVICE_MEMORY, _CMD_HELLO, _CMD_DEVICE_COUNT = 11, 14, 15
+_CMD_KVLOCAL_BUILD, _BUILD_BYTES = 18, 64  # kvlocal's own command (patch 0019): the server's patch set
 _CONN_CAPS = 24  # bytes of transport capabilities in HELLO (zero: plain TCP)
 
 
@@ -69,13 +70,15 @@ class ServerInfo:
     endpoint: Endpoint
     protocol: tuple[int, int, int]
     devices: tuple[tuple[int, int], ...]  # (free, total) bytes per device
+    build: str  # "kvlocal:<patch-set id>" the server was built from
 
     def describe(self) -> str:
         from kvlocal.units import human_bytes
 
         memory = ", ".join(f"{human_bytes(free)} free of {human_bytes(total)}" for free, total in self.devices)
         n = len(self.devices)
-        return f"RPC protocol {'.'.join(map(str, self.protocol))}, {n} device{'s' if n != 1 else ''} ({memory})"
+        return (f"RPC protocol {'.'.join(map(str, self.protocol))}, patch set {self.build.removeprefix('kvlocal:')}, "
+                f"{n} device{'s' if n != 1 else ''} ({memory})")
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -97,9 +100,14 @@ def _command(sock: socket.socket, cmd: int, payload: bytes, reply_size: int) -> 
     return _recv_exact(sock, size)
 
 
-def probe(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT_S) -> ServerInfo:
-    """Ask a server its protocol version, devices and their memory (the handshake the engine's
-    client does first); RpcError in one line when it cannot serve this engine."""
+def probe(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT_S, build: str | None = None) -> ServerInfo:
+    """Ask a server its protocol version, the patch set it was built from, its devices and their
+    memory (the handshake the engine's client does first); RpcError in one line when it cannot serve
+    this engine: another protocol, or a patch set other than `build` (None: this engine's)."""
+    if build is None:
+        from kvlocal.engine import require_patched
+
+        build = require_patched().build_id
     try:
         with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout) as sock:
             try:
@@ -112,6 +120,14 @@ def probe(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT_S) -> ServerInfo:
                 raise RpcError(f"RPC server {endpoint} speaks protocol {'.'.join(map(str, protocol))}, this engine "
                                f"{'.'.join(map(str, RPC_PROTOCOL))}: run the server built with this kvlocal "
                                f"(`kvlocal rpc-server`)")
+            try:
+                server_build = _command(sock, _CMD_KVLOCAL_BUILD, b"", _BUILD_BYTES).split(b"\0", 1)[0].decode()
+            except (ConnectionError, UnicodeDecodeError):
+                server_build = ""
+            if server_build != build:
+                said = f"patch set {server_build.removeprefix('kvlocal:')}" if server_build else "no kvlocal patch set"
+                raise RpcError(f"RPC server {endpoint} was built from {said}, this engine from "
+                               f"{build.removeprefix('kvlocal:')}: run the server of this kvlocal (`kvlocal rpc-server`)")
             (count,) = struct.unpack("<I", _command(sock, _CMD_DEVICE_COUNT, b"", 4))
             devices = tuple(struct.unpack("<QQ", _command(sock, _CMD_GET_DEVICE_MEMORY, struct.pack("<I", i), 16))
                             for i in range(count))
@@ -122,7 +138,7 @@ def probe(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT_S) -> ServerInfo:
         raise RpcError(f"cannot reach RPC server {endpoint}: {err.strerror or err}") from None
     if not devices:
         raise RpcError(f"RPC server {endpoint} has no devices")
-    return ServerInfo(endpoint, protocol, devices)
+    return ServerInfo(endpoint, protocol, devices, server_build)
 
 
 # -- where the layers go --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.engine
 from synth_gguf import write_tiny_qwen2  # noqa: E402
 
 from kvlocal import kvstate  # noqa: E402
-from kvlocal.engine import EngineContext, layer_plan  # noqa: E402
+from kvlocal.engine import EngineContext, layer_plan, require_patched  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.routing import Route  # noqa: E402
 from kvlocal.rpc import RPC_PROTOCOL, Endpoint, RpcError, check_bind, placement, probe  # noqa: E402
@@ -130,10 +130,46 @@ def oracle_runs(model: Path, place=None):
         ctx.close()
 
 
-def test_the_server_speaks_this_engines_protocol(servers):
+def test_the_server_speaks_this_engines_protocol_and_patch_set(servers):
     info = probe(servers[0])
     assert info.protocol == RPC_PROTOCOL
+    assert info.build == require_patched().build_id and info.build.startswith("kvlocal:")
     assert len(info.devices) >= 1 and all(total >= free > 0 for free, total in info.devices)
+
+
+@pytest.mark.parametrize("answer, said", [
+    (b"kvlocal:0123456789abcdef", "patch set 0123456789abcdef"),
+    (None, "no kvlocal patch set"),  # a server without the command hangs up, as upstream's does
+], ids=["another patch set", "upstream"])
+def test_a_server_of_another_patch_set_is_refused_in_one_line(model4, docs, tmp_path, answer, said):
+    """A peer of this protocol whose build is another (or none): refused before any work."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_hello_and_build():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1 + 8 + 24, socket.MSG_WAITALL)
+            conn.sendall(struct.pack("<Q", 28) + bytes(RPC_PROTOCOL) + bytes(1) + bytes(24))
+            conn.recv(1 + 8, socket.MSG_WAITALL)
+            if answer is not None:
+                conn.sendall(struct.pack("<Q", 64) + answer.ljust(64, b"\0"))
+                conn.recv(1)  # until the client hangs up
+
+    thread = threading.Thread(target=answer_hello_and_build, daemon=True)
+    thread.start()
+    try:
+        result = ask(tmp_path / "cache", model4, docs[:1], "--rpc", f"127.0.0.1:{port}")
+    finally:
+        thread.join(timeout=30)
+        listener.close()
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == ""
+    [line] = result.stderr.strip().splitlines()
+    own = require_patched().build_id.removeprefix("kvlocal:")
+    assert line == (f"kvlocal: error: RPC server 127.0.0.1:{port} was built from {said}, this engine from {own}: "
+                    f"run the server of this kvlocal (`kvlocal rpc-server`)")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.kvstate*"))
 
 
 def test_every_region_over_rpc_reproduces_dense_and_reads_exactly_what_local_reads(servers, model4):
@@ -274,7 +310,8 @@ def test_doctor_lists_the_servers_it_reaches(servers, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "RPC: built in (protocol 7.0.0; server " in out.stdout
     for endpoint in servers:
-        assert f"RPC server {endpoint}: reachable, RPC protocol {'.'.join(map(str, RPC_PROTOCOL))}, 1 device" in out.stdout
+        assert (f"RPC server {endpoint}: reachable, RPC protocol {'.'.join(map(str, RPC_PROTOCOL))}, patch set "
+                f"{require_patched().patchset}, 1 device") in out.stdout
     assert f"RPC server 127.0.0.1:{gone}: UNREACHABLE: cannot reach" in out.stdout
 
 

@@ -12,6 +12,8 @@ function(kvlocal_add_rpc_server)
     if (NOT GGML_RPC OR NOT TARGET ggml)
         message(FATAL_ERROR "kvlocal: the RPC server needs GGML_RPC=ON")
     endif()
+    # the server answers a client's question for its patch set (patch 0019) with the library's own id
+    target_compile_definitions(ggml-rpc PRIVATE KVLOCAL_RPC_BUILD_ID="kvlocal:${KVLOCAL_PATCHSET_ID}")
     add_executable(ggml-rpc-server ${CMAKE_SOURCE_DIR}/vendor/llama.cpp/tools/rpc/rpc-server.cpp)
     target_link_libraries(ggml-rpc-server PRIVATE ggml)
     target_compile_features(ggml-rpc-server PRIVATE cxx_std_17)
