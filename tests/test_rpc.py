@@ -137,26 +137,23 @@ def test_the_server_speaks_this_engines_protocol_and_patch_set(servers):
     assert len(info.devices) >= 1 and all(total >= free > 0 for free, total in info.devices)
 
 
-@pytest.mark.parametrize("answer, said", [
-    (b"kvlocal:0123456789abcdef", "patch set 0123456789abcdef"),
-    (None, "no kvlocal patch set"),  # a server without the command hangs up, as upstream's does
-], ids=["another patch set", "upstream"])
-def test_a_server_of_another_patch_set_is_refused_in_one_line(model4, docs, tmp_path, answer, said):
-    """A peer of this protocol whose build is another (or none): refused before any work."""
+def refusal_by_a_peer(model4, docs, tmp_path, protocol: tuple[int, int, int], build: bytes | None) -> tuple[str, int]:
+    """`kvlocal ask --rpc` against a peer that answers HELLO as a server of `protocol` and, asked its
+    patch set, answers `build` (None: hangs up, as a server without the command does): the one
+    line the client printed (it must exit 1, print no answer and cache nothing), and the peer's port."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
-    def answer_hello_and_build():
+    def answer():
         conn, _ = listener.accept()
         with conn:
             conn.recv(1 + 8 + 24, socket.MSG_WAITALL)
-            conn.sendall(struct.pack("<Q", 28) + bytes(RPC_PROTOCOL) + bytes(1) + bytes(24))
-            conn.recv(1 + 8, socket.MSG_WAITALL)
-            if answer is not None:
-                conn.sendall(struct.pack("<Q", 64) + answer.ljust(64, b"\0"))
+            conn.sendall(struct.pack("<Q", 28) + bytes(protocol) + bytes(1) + bytes(24))
+            if conn.recv(1 + 8, socket.MSG_WAITALL) and build is not None:
+                conn.sendall(struct.pack("<Q", 64) + build.ljust(64, b"\0"))
                 conn.recv(1)  # until the client hangs up
 
-    thread = threading.Thread(target=answer_hello_and_build, daemon=True)
+    thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     try:
         result = ask(tmp_path / "cache", model4, docs[:1], "--rpc", f"127.0.0.1:{port}")
@@ -165,11 +162,20 @@ def test_a_server_of_another_patch_set_is_refused_in_one_line(model4, docs, tmp_
         listener.close()
     assert result.returncode == 1, result.stderr
     assert result.stdout == ""
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.kvstate*"))
     [line] = result.stderr.strip().splitlines()
+    return line, port
+
+
+@pytest.mark.parametrize("answer, said", [
+    (b"kvlocal:0123456789abcdef", "patch set 0123456789abcdef"),
+    (None, "no kvlocal patch set"),  # a server without the command hangs up, as upstream's does
+], ids=["another patch set", "upstream"])
+def test_a_server_of_another_patch_set_is_refused_in_one_line(model4, docs, tmp_path, answer, said):
+    line, port = refusal_by_a_peer(model4, docs, tmp_path, RPC_PROTOCOL, answer)
     own = require_patched().build_id.removeprefix("kvlocal:")
     assert line == (f"kvlocal: error: RPC server 127.0.0.1:{port} was built from {said}, this engine from {own}: "
                     f"run the server of this kvlocal (`kvlocal rpc-server`)")
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.kvstate*"))
 
 
 def test_every_region_over_rpc_reproduces_dense_and_reads_exactly_what_local_reads(servers, model4):
@@ -270,26 +276,7 @@ def test_a_server_killed_mid_answer_is_one_line_exit_1_and_nothing_cached_is_los
 
 def test_a_server_of_another_protocol_is_refused_in_one_line(model4, docs, tmp_path):
     """A peer answering the handshake as a protocol 6 server (what an older ggml-rpc-server does)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def answer_hello():
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(1 + 8 + 24, socket.MSG_WAITALL)
-            conn.sendall(struct.pack("<Q", 28) + bytes([6, 0, 0, 0]) + bytes(24))
-            conn.recv(1)  # until the client hangs up
-
-    thread = threading.Thread(target=answer_hello, daemon=True)
-    thread.start()
-    try:
-        result = ask(tmp_path / "cache", model4, docs[:1], "--rpc", f"127.0.0.1:{port}")
-    finally:
-        thread.join(timeout=30)
-        listener.close()
-    assert result.returncode == 1, result.stderr
-    assert result.stdout == ""
-    [line] = result.stderr.strip().splitlines()
+    line, port = refusal_by_a_peer(model4, docs, tmp_path, (6, 0, 0), None)
     assert line == (f"kvlocal: error: RPC server 127.0.0.1:{port} speaks protocol 6.0.0, this engine "
                     f"{'.'.join(map(str, RPC_PROTOCOL))}: run the server built with this kvlocal (`kvlocal rpc-server`)")
 
