@@ -100,14 +100,13 @@ def _command(sock: socket.socket, cmd: int, payload: bytes, reply_size: int) -> 
     return _recv_exact(sock, size)
 
 
-def probe(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT_S, build: str | None = None) -> ServerInfo:
+def probe(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT_S) -> ServerInfo:
     """Ask a server its protocol version, the patch set it was built from, its devices and their
     memory (the handshake the engine's client does first); RpcError in one line when it cannot serve
-    this engine: another protocol, or a patch set other than `build` (None: this engine's)."""
-    if build is None:
-        from kvlocal.engine import require_patched
+    this engine: another protocol, or another patch set than this engine's."""
+    from kvlocal.engine import require_patched
 
-        build = require_patched().build_id
+    build = require_patched().build_id
     try:
         with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout) as sock:
             try:

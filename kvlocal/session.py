@@ -244,13 +244,13 @@ class Session:
         prefix of `n_tokens` by default (one answer, no --ctx), whatever context it is loaded into. A
         prefill writes the same K/V bytes whatever the context's size (only the cells it uses are read),
         so `ask`, `ask --ctx N` and `serve --batch N` share one saved state."""
-        return min(self.trained_ctx, -(-(n_tokens + ANSWER_RESERVE) // CTX_ROUND) * CTX_ROUND)
+        return min(self.trained_ctx, self.cells_for(n_tokens, answers=1))
 
-    def cells_for(self, n_cells: int) -> int:
+    def cells_for(self, n_cells: int, answers: int | None = None) -> int:
         """The context's cells for a prefix of `n_cells`: the answer room of one answer, or of each
-        answer decoded together (each sequence has its own positions: the trained context bounds
-        positions, not cells), rounded up."""
-        needed = n_cells + ANSWER_RESERVE * self.answers
+        of `answers` (None: the session's) decoded together (each sequence has its own positions: the
+        trained context bounds positions, not cells), rounded up."""
+        needed = n_cells + ANSWER_RESERVE * (self.answers if answers is None else answers)
         return -(-needed // CTX_ROUND) * CTX_ROUND
 
     def state_key(self, text: str, n_ctx: int, prefill_tag: str = "dense", *,

@@ -18,7 +18,6 @@ from kvlocal.route_settings import (
 )
 
 
-
 def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
