@@ -10,13 +10,20 @@ Each answer's steps route as `Session.ask` routes them alone (patches 0012, 0017
 the pins of its own question and its own hints, whichever answers decode beside it. Each answer also
 keeps to its own cells (patch 0018): a run of whole regions after the documents', so that no region
 mixes answers, and an answer reads the regions, and gets the text, it gets decoded in a batch of its own.
+
+On a session holding a shelf (Session.open_shelf: several documents side by side, each in its own
+sequence and cells), each answer names the shelf's prefix it is about: its sequence shares that
+prefix's cells only, so answers about different documents decode in one batch and each reads its own
+document alone. The engine takes one route for a batch; an answer whose route sets the engine
+otherwise than the open answers' (other than its hints, top-k and pins, which are its own) waits
+(`can_take`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -24,7 +31,7 @@ from kvlocal.answer import AnswerPiece, AnswerSummary, AnswerText
 from kvlocal.engine import SequenceStep
 from kvlocal.errors import ContextOverflowError, UsageError
 from kvlocal.routing import ReadStats, Route, RouteConfig
-from kvlocal.session import Session, _sample, check_ask_settings
+from kvlocal.session import Prefix, Session, _sample, check_ask_settings
 
 
 @dataclass
@@ -32,6 +39,8 @@ class _Open:
     """One answer being decoded: its sequence, where it goes on, and what it has so far."""
 
     seq: int
+    prefix: Prefix  # what it is about
+    route: Route
     pos: int
     cells: tuple[int, int]  # the cells kept for it, [start, end): its question and its most answer tokens
     max_tokens: int
@@ -60,7 +69,7 @@ class AnswerBatch:
     """Answers decoded together over the session's loaded documents (see the module's docstring)."""
 
     def __init__(self, session: Session, route: RouteConfig | Route | None = None) -> None:
-        if session.context is None or session.n_prefix == 0:
+        if session.context is None or (session.n_prefix == 0 and not session.shelf):
             raise UsageError("no document is loaded")
         if session.answers < 2:
             raise UsageError("the session decodes one answer at a time (Session(answers=N) for more)")
@@ -70,37 +79,60 @@ class AnswerBatch:
         self.context = session.context
         self.asked = route
         self.open: dict[int, _Open] = {}
-        self._free = list(range(session.answers, 0, -1))  # sequence ids; 0 is the documents'
-        session.rewind()  # sequence 0: the documents only, shared as they are with each answer
+        self._free = list(reversed(session.answer_seqs))  # sequence ids after the documents'
+        session.rewind()  # the documents' sequence holds them only, shared as they are with each answer
 
     def _cells_for(self, n_cells: int, region: int) -> tuple[int, int] | None:
         """The first run of whole regions of `region` cells after the documents' that holds `n_cells`
         and no open answer's cells; None when the context has none."""
         size = -(-n_cells // region) * region
-        start = -(-self.session.prefix_cells // region) * region
+        start = -(-self.session.resident_cells // region) * region
         for lo, hi in sorted(a.cells for a in self.open.values()):
             if start + size <= lo:
                 break
             start = max(start, -(-hi // region) * region)
         return (start, start + size) if start + size <= self.context.n_ctx else None
 
-    def can_take(self, question_tokens: int, max_tokens: int) -> bool:
+    def can_take(self, question_tokens: int, max_tokens: int, route: Route | None = None) -> bool:
+        """Whether an answer of a question of `question_tokens` and `max_tokens` fits now (a free
+        sequence and cells), and its `route` (resolve_route's, where known) sets the engine as the open
+        answers' does."""
         region = self.session.route_for(self.asked).region
+        if route is not None and not self.takes_route(route):
+            return False
         return bool(self._free) and self._cells_for(question_tokens + max_tokens, region) is not None
+
+    def takes_route(self, route: Route) -> bool:
+        """Whether an answer taking `route` decodes beside the open answers as it would alone: the
+        engine's settings are one for a batch, but for each answer's hints, top-k and pins."""
+        return all(_shared(a.route) == _shared(route) for a in self.open.values())
+
+    def route_of(self, question: str, prefix: Prefix | None = None) -> Route:
+        """The route an answer to `question` about `prefix` (None: the session's) takes."""
+        return self.session.resolve_answer_route(question, self.asked, prefix=prefix)
 
     def question_tokens(self, question: str) -> list[int]:
         session = self.session
         return session.tokenize_prompt(session.parts.question_segments(question), bos=False)
 
     def add(self, question: str, *, max_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
-            want_regions: bool = False, cancel: threading.Event | None = None) -> int:
+            want_regions: bool = False, cancel: threading.Event | None = None, prefix: Prefix | None = None) -> int:
         """Read `question` into a free sequence (one batch, as the route's `question` says) and open its
-        answer; the handle it returns names the answer in `step()`'s results. ContextOverflowError when
-        no sequence or too few cells are free (an answer ending frees them)."""
+        answer about `prefix` (a shelf's; None: the session's prefix); the handle it returns names the
+        answer in `step()`'s results. ContextOverflowError when no sequence or too few cells are free
+        (an answer ending frees them); UsageError for a route the open answers' cannot decode beside."""
         session, context = self.session, self.context
         check_ask_settings(question, max_tokens, temperature, seed)
+        if prefix is None:
+            if session.shelf:
+                raise UsageError("the session holds a shelf: an answer names the document it is about")
+            prefix = session.prefix
+        elif session.shelf.get(prefix.seq) is not prefix:
+            raise UsageError("that document is not on the session's shelf")
         q_tokens = self.question_tokens(question)
-        route = session.resolve_answer_route(question, self.asked)
+        route = self.route_of(question, prefix)
+        if not self.takes_route(route):
+            raise UsageError("the answer's route sets the engine otherwise than the open answers' (takes_route)")
         cells = self._cells_for(len(q_tokens) + max_tokens, route.region) if self._free else None
         if cells is None:
             raise ContextOverflowError(f"no room for another answer: {len(self.open)} open in {context.n_ctx:,} cells")
@@ -110,8 +142,8 @@ class AnswerBatch:
         try:
             context.keep_cells(seq, *cells)
             context.set_hints(route.hint_cells, seq=seq)
-            context.copy_sequence(0, seq)
-            logits = self._read_question(seq, q_tokens, route, summary, want_regions)
+            context.copy_sequence(prefix.seq, seq)
+            logits = self._read_question(seq, prefix.n_prefix, q_tokens, route, summary, want_regions)
         except BaseException:
             # the sequence and its cells are free again (Ctrl-C or an engine error while reading)
             context.remove_positions(seq)
@@ -119,14 +151,14 @@ class AnswerBatch:
             self._free.append(seq)
             raise
         summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
-        self.open[seq] = _Open(seq, session.n_prefix + len(q_tokens), cells, max_tokens,
+        self.open[seq] = _Open(seq, prefix, route, prefix.n_prefix + len(q_tokens), cells, max_tokens,
                                temperature, np.random.default_rng(seed), cancel, summary, logits, want_regions,
                                time.perf_counter(), AnswerText(context, session.parts.stops))
         return seq
 
-    def _read_question(self, seq: int, q_tokens: list[int], route: Route, summary: AnswerSummary,
+    def _read_question(self, seq: int, pos: int, q_tokens: list[int], route: Route, summary: AnswerSummary,
                        want_regions: bool) -> np.ndarray:
-        context, pos = self.context, self.session.n_prefix
+        context = self.context
         if route.question == "steps":
             context.apply_route(route)
             for i, token in enumerate(q_tokens):
@@ -197,3 +229,11 @@ class AnswerBatch:
         for answer in list(self.open.values()):
             self._finish(answer)
 
+
+
+_OWN_SETTINGS = frozenset({"hint_cells", "top_k", "pin"})
+
+
+def _shared(route: Route) -> tuple:
+    """What of `route` the engine takes for a whole batch: all but an answer's own hints, top-k and pins."""
+    return tuple(getattr(route, f.name) for f in fields(route) if f.name not in _OWN_SETTINGS)

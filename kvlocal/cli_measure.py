@@ -388,14 +388,17 @@ def bench_serve(
     probes: Annotated[int, typer.Option(
         "--probes", min=BUSY_ASKERS, max=32, help="Planted facts asked alone and 4 at a time (same answers?).")] = 8,
     modes: ModesOpt = "geometric,full",
+    documents: Annotated[str, typer.Option(
+        "--documents", help="one: every asker asks one document (sent as a file); each: every asker its own "
+        "document of the length, all named at the server's start and held side by side.")] = "one",
     model: ModelOpt = None,
     threads: ThreadsOpt = None,
     out: OutOpt = None,
     routing: RouteOptions = RouteOptions(),
 ) -> None:
-    """Many askers of one document through the real server (kvlocal serve --batch): aggregate decode tok/s
-    per route with 1, 2, 4, 8 askers, the same answers alone and 4 at a time, and time to first token
-    idle and beside 4 decoding answers."""
+    """Many askers through the real server (kvlocal serve --batch), of one document or each of its own:
+    aggregate decode tok/s per route with 1, 2, 4, 8 askers, the same answers alone and 4 at a time, and
+    time to first token idle and beside 4 decoding answers."""
     import json
 
     from kvlocal.atomic import write_text_atomic
@@ -409,12 +412,15 @@ def bench_serve(
     asker_counts = bounded("--askers", ints(askers), 1, MAX_ANSWERS)
     if not mode_list or not asker_counts:
         raise UsageError("give at least one of --modes and of --askers")
+    if documents not in ("one", "each"):
+        raise UsageError(f"--documents is one or each (got {documents!r})", setting="documents")
     if 3 * tokens > Limits().max_tokens:  # the answers decoding while a probe is timed are 3x as long
         raise UsageError(f"--tokens: at most {Limits().max_tokens // 3} (got {tokens})", setting="tokens")
     if out:
         common.check_out_file(out)
     report = run(model, threads, length_list, mode_list, routes, sorted(set(asker_counts)), tokens, probes,
-                 routing.centroid_block, routing.centroid_type, log=lambda line: err(f"kvlocal: {line}"))
+                 routing.centroid_block, routing.centroid_type, log=lambda line: err(f"kvlocal: {line}"),
+                 documents=documents)
     print(serve_text([report]))
     if out:
         write_text_atomic(out, json.dumps(report, indent=2))

@@ -95,7 +95,10 @@ class SetReads:
     The parts add up to `total`, which is the engine's own `rows_read` summed over the steps.
 
     A document with pages also has its rows by page (`pages[i][j]`: page j + 1 of document i), which add
-    up to its count: the body's padding counts to the last page, as DocumentSpan.page_at says."""
+    up to its count: the body's padding counts to the last page, as DocumentSpan.page_at says.
+
+    `origin`: the prefix's first cell (a shelf's prefix starts further on); the head is its cells
+    before the first document, and the cells before `origin` (other prefixes') count to the rest."""
 
     spans: Sequence[DocumentSpan]
     prefix_cells: int
@@ -105,6 +108,7 @@ class SetReads:
     rest: int = 0
     steps: int = 0
     routed_steps: int = 0
+    origin: int = 0
 
     def __post_init__(self) -> None:
         self.documents = [0] * len(self.spans)
@@ -137,7 +141,7 @@ class SetReads:
         """Count cells [lo, hi) read `times` times, split at the parts' boundaries."""
         spans = self.spans
         first = spans[0].start if spans else self.prefix_cells
-        head = max(0, min(hi, first) - lo)
+        head = max(0, min(hi, first) - max(lo, self.origin))
         in_docs = 0
         for i, span in enumerate(spans):
             cells = max(0, min(hi, span.end) - max(lo, span.start))

@@ -2,9 +2,15 @@
 
 The CLI, the TUI and the evaluation call only this module (and the set loader, kvlocal.library,
 which drives a session). A session holds an engine context (kvlocal.engine.EngineContext) and the
-layout of what it holds (kvlocal.layout.DocumentLayout), and drives the context: prefill in batches
-with progress and cancellation, the saved KV state, and routed decoding that streams answer pieces
-together with the engine's per-step read statistics.
+prompt prefix it holds (`Prefix`: where it sits, and the layout of its documents,
+kvlocal.layout.DocumentLayout), and drives the context: prefill in batches with progress and
+cancellation, the saved KV state, and routed decoding that streams answer pieces together with the
+engine's per-step read statistics.
+
+A session that answers several questions together (`answers` > 1) may also hold a shelf: several
+prefixes side by side in one context, each in its own sequence and its own run of cells
+(`open_shelf`, then `load_document(..., home=...)` for each; kvlocal.shelf drives it), so that
+answers about different documents decode in one batch (kvlocal.batch).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -103,6 +109,41 @@ class PrefillReads(ReadTotals):
 MAX_TEMPERATURE = 10.0
 
 
+@dataclass
+class Prefix:
+    """A prompt prefix the context holds (template head, documents, middle), in sequence `seq`:
+    its positions, its documents' layout, and what the session derived from it. A shelf's prefix
+    starts at cell `first_cell` of the context and keeps its tokens (`tokens`, in cell order); the one
+    prefix of a session otherwise starts at cell 0 and its tokens are the context's record."""
+
+    seq: int = 0
+    n_prefix: int = 0
+    layout: DocumentLayout = field(default_factory=DocumentLayout)
+    label: str = ""
+    first_cell: int = 0
+    run: int = 0  # the cells kept for it on a shelf (its tokens and padding to whole regions); 0 elsewhere
+    tokens: tuple[int, ...] = ()
+    # the document's state, kept where a question cannot be dropped by removing its cells (a model
+    # with recurrent layers: their state is not per cell); Session._rewind restores it
+    state: bytes | None = None
+    text_index: TextIndex | None = None  # its words by cell, for text hints (built on use)
+
+    @property
+    def cells(self) -> int:
+        """KV cells the prefix holds: its positions, unless a library placed documents side by side."""
+        n_cells = self.layout.n_cells
+        return self.n_prefix if n_cells is None else n_cells
+
+    @property
+    def n_documents(self) -> int:
+        return max(1, len(self.layout.spans))
+
+
+def _on_prefix(name: str) -> property:
+    """A Session attribute that is the current prefix's `name`."""
+    return property(lambda self: getattr(self.prefix, name), lambda self, value: setattr(self.prefix, name, value))
+
+
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
@@ -164,14 +205,18 @@ class Session:
         self.chat_template = self.vocab.metadata.get("tokenizer.chat_template")
         self.context: EngineContext | None = None  # the model with the loaded document's KV cache
         self.parts: PromptParts | None = None
-        self.n_prefix = 0
-        self.layout = DocumentLayout()  # where the prefix's documents sit (a set's cells need not follow positions)
-        self.doc_label = ""
-        # the document's state, kept where a question cannot be dropped by removing its cells (a model
-        # with recurrent layers: their state is not per cell); _rewind restores it
-        self._prefix_state: bytes | None = None
-        self._text_index: TextIndex | None = None  # the prefix's words by cell, for text hints (built on use)
+        self.prefix = Prefix()  # the prefix loaded (or being loaded)
+        # a shelf's prefixes by sequence (open_shelf); empty: the session holds one prefix, in sequence 0
+        self.shelf: dict[int, Prefix] = {}
+        self._homes = 1  # sequences that hold prefixes; the answers decoded together take the next ones
         self._lock = threading.Lock()
+
+    # the current prefix's facts, as the session's own (a set's cells need not follow positions)
+    n_prefix = _on_prefix("n_prefix")
+    layout = _on_prefix("layout")
+    doc_label = _on_prefix("label")
+    _prefix_state = _on_prefix("state")
+    _text_index = _on_prefix("text_index")
 
     def centroid_type_for(self, n_documents: int) -> str:
         """The type a context of `n_documents` documents keeps its centroids in: the one given, else for
@@ -186,7 +231,7 @@ class Session:
     def _open_context(self, *, vocab_only: bool = False, n_ctx: int = 512, n_seq_max: int = 1) -> EngineContext:
         """An engine context of this session's model and settings (EngineContext.open)."""
         if not vocab_only and self.answers > 1:
-            n_seq_max = max(n_seq_max, 1 + self.answers)  # the document's sequence and one per answer
+            n_seq_max = max(n_seq_max, self._homes + self.answers)  # the documents' sequences and one per answer
         return EngineContext.open(self.model.path, vocab_only=vocab_only, n_ctx=n_ctx, n_seq_max=n_seq_max,
                                   n_batch=self.n_batch, threads=self.threads, kv_type=self.kv_type,
                                   centroid_block=self.centroid_block, centroid_type=self.centroid_type,
@@ -206,8 +251,19 @@ class Session:
     @property
     def prefix_cells(self) -> int:
         """KV cells the loaded prefix holds: its positions, unless a library placed documents side by side."""
-        n_cells = self.layout.n_cells
-        return self.n_prefix if n_cells is None else n_cells
+        return self.prefix.cells
+
+    @property
+    def answer_seqs(self) -> range:
+        """The sequences of the answers decoded together (kvlocal.batch): after the prefixes' own."""
+        return range(self._homes, self._homes + self.answers)
+
+    @property
+    def resident_cells(self) -> int:
+        """The cells the prefixes take at the front of the context: the answers' cells follow them."""
+        if self.shelf:
+            return max(p.first_cell + p.run for p in self.shelf.values())
+        return self.prefix_cells
 
     def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
         """Token ids of `text`; control-token spellings in it stay plain text unless `special`."""
@@ -296,24 +352,26 @@ class Session:
         cancel: threading.Event | None = None,
         use_cache: bool = True,
         prefill: PrefillConfig | None = None,
+        home: tuple[int, int, int] | None = None,
     ) -> LoadResult:
         """Prefill the document (or restore its saved state). Ctrl-C / cancel leaves nothing behind.
         `pages`: where each page starts in `text` (a PDF's), for the layout's span. `prefill` says how
         its ubatches read the cache (dense by default); a routed prefill's state is saved and found
-        under its own key."""
+        under its own key. `home`: (sequence, first cell, cells) of the shelf (open_shelf) it goes to,
+        beside the shelf's other documents; without it, it replaces what the session holds."""
         prefill = prefill or PrefillConfig()
+        if home is not None:
+            return self._load_home(text, label, pages, progress, cancel, use_cache, prefill, home)
         self.parts = self.prompt_parts(text)
         tokens = self.tokenize_prompt(self.parts.prefix_segments(), bos=True)
         n_ctx = self.choose_ctx(len(tokens))
         self.centroid_type = self.centroid_type_for(1)
+        if self.shelf or self._homes != 1:  # a shelf's context: its sequences and cells are the shelf's
+            self.unload()
         if self.context is None or self.context.n_ctx != n_ctx or self.context.centroid_type != self.centroid_type:
             self.context = None  # freed before the next one is made
             self.context = self._open_context(n_ctx=n_ctx)
-        self.n_prefix = 0
-        self.layout = DocumentLayout()
-        self._prefix_state = None
-        self._text_index = None
-        self.doc_label = label
+        self.prefix = Prefix(label=label)
         layout = self._single_layout(label, text, pages, tokens)
         tag = self.prefill_tag(prefill, len(tokens))
         if tag == "dense":
@@ -322,6 +380,57 @@ class Session:
         result = self._load_prefix(tokens, key, n_ctx, label, progress, cancel, use_cache, prefill)
         self.layout = layout
         return result
+
+    def _load_home(self, text: str, label: str, pages: Sequence[int],
+                   progress: Callable[[PrefillProgress], None] | None, cancel: threading.Event | None,
+                   use_cache: bool, prefill: PrefillConfig, home: tuple[int, int, int]) -> LoadResult:
+        """load_document into sequence `home[0]` of the shelf, in cells [home[1], home[1] + home[2]):
+        the same tokens, state key and saved state as the document loaded alone."""
+        seq, first, run = home
+        if self.context is None or seq not in range(self._homes) or seq in self.shelf:
+            raise UsageError(f"sequence {seq} is not a free place of the shelf (open_shelf first)")
+        tokens = self.tokenize_prompt(self.prompt_parts(text).prefix_segments(), bos=True)
+        if len(tokens) > run:
+            raise ContextOverflowError(f"the document is {len(tokens):,} tokens; its place on the shelf holds {run:,}")
+        self.choose_ctx(len(tokens))  # the positions of its prefix, question and answer fit the model
+        tag = self.prefill_tag(prefill, len(tokens))
+        if tag == "dense":
+            prefill = PrefillConfig()
+        layout = self._single_layout(label, text, pages, tokens)
+        self.prefix = Prefix(seq=seq, label=label, first_cell=first, run=run)
+        self.context.keep_cells(seq, first, first + run)
+        key = self.state_key(text, self.state_ctx(len(tokens)), tag)
+        try:
+            result = self._load_prefix(tokens, key, self.context.n_ctx, label, progress, cancel, use_cache, prefill)
+        except BaseException:
+            self.context.keep_cells(seq)
+            self.prefix = Prefix()
+            raise
+        spans = tuple(replace(s, start=s.start + first, end=s.end + first, pages=tuple(p + first for p in s.pages))
+                      for s in layout.spans)
+        self.layout = replace(layout, spans=spans)
+        self.prefix.tokens = tuple(tokens)
+        self.shelf[seq] = self.prefix
+        return replace(result, n_ctx=self.context.n_ctx)
+
+    def open_shelf(self, n_ctx: int, n_prefixes: int) -> None:
+        """Drop what is loaded, its context included, and open a context of `n_ctx` cells for a shelf of
+        `n_prefixes` documents side by side (each its own sequence; load_document(home=...) fills
+        them) and the session's answers decoded together. UsageError for a model whose memory cannot be
+        laid out so (recurrent state or sliding-window layers) or a session of one answer."""
+        if self.answers < 2:
+            raise UsageError("a shelf serves answers decoded together (Session(answers=N), N > 1)")
+        if not 1 <= n_prefixes <= MAX_ANSWERS:
+            raise UsageError(f"a shelf holds between 1 and {MAX_ANSWERS} documents (got {n_prefixes})")
+        self.unload()
+        self.parts = self.prompt_parts()
+        self.centroid_type = self.centroid_type_for(1)
+        self._homes = n_prefixes
+        self.context = self._open_context(n_ctx=n_ctx)
+        if self.state_rewinds or self.context.n_swa > 0:
+            self.unload()
+            raise UsageError(f"{self.model.path.name} keeps memory that is not per cell (recurrent state or "
+                             "sliding-window layers): it holds one document at a time")
 
     def _single_layout(self, label: str, text: str, pages: Sequence[int], tokens: list[int]) -> DocumentLayout:
         """The layout of one document whose prompt prefix is `tokens`: its span between the template's
@@ -397,7 +506,10 @@ class Session:
                 if routes and not routing:
                     context.apply_route(routed, batch_top_k=prefill.top_k)
                     routing = True
-                context.decode(tokens[i:end])
+                if self.shelf or self._homes != 1:
+                    context.decode_sequence(self.prefix.seq, tokens[i:end], i)
+                else:
+                    context.decode(tokens[i:end])
                 stats = context.read_stats(with_regions=False)
                 if stats:
                     reads.add(stats)
@@ -434,7 +546,10 @@ class Session:
         return state
 
     def _clear_kv(self) -> None:
-        self.context.clear()
+        if self._homes != 1 or self.shelf:
+            self.context.remove_positions(self.prefix.seq)  # a shelf's: its other documents stay
+        else:
+            self.context.clear()
         self.n_prefix = 0
         self.layout = DocumentLayout()
 
@@ -449,13 +564,16 @@ class Session:
         """Keep the document's state in memory for _rewind where removing cells cannot drop a question."""
         self._prefix_state = (state or self.kv_state()) if self.state_rewinds else None
 
-    def span_text(self, start: int, end: int) -> str:
+    def span_text(self, start: int, end: int, prefix: Prefix | None = None) -> str:
         """The text of cells [start, end): the prefix (a set's by cell), then the question and answer,
-        whose cells follow positions."""
+        whose cells follow positions. A shelf's `prefix`: its own cells only."""
         if self.context is None:
             return ""
         cells = self.layout.cell_tokens
-        if not cells:
+        if prefix is not None and prefix.tokens:
+            lo, hi = max(0, start - prefix.first_cell), max(0, end - prefix.first_cell)
+            tokens = list(prefix.tokens[lo:hi])
+        elif not cells:
             tokens = self.context.tokens(start, max(start, min(end, self.context.n_tokens)))
         else:
             tokens = list(cells[start:min(end, len(cells))])
@@ -475,18 +593,20 @@ class Session:
         return int(self.model.info.n_layer or 0)
 
     def _mark_tokens(self, tokens: list[int]) -> None:
-        self.context.mark_tokens(tokens)
+        if not self.shelf and self._homes == 1:  # a shelf's prefix keeps its own tokens
+            self.context.mark_tokens(tokens)
         self.n_prefix = len(tokens)
 
     def kv_state(self) -> bytes:
-        """The KV state of the context's sequence (what a saved state stores)."""
-        return self.context.state()
+        """The KV state of the prefix's sequence (what a saved state stores)."""
+        return self.context.state(self.prefix.seq)
 
     def restore_state(self, state: bytes) -> bool:
-        """Empty the context and load `state` (from kv_state or the cache) into it; whether the engine
-        took it. The prefix is then unset: the caller says what the cells hold."""
+        """Empty the prefix's sequence (the context, but for a shelf's other documents) and load
+        `state` (from kv_state or the cache) into it; whether the engine took it. The prefix is then
+        unset: the caller says what the cells hold."""
         self._clear_kv()
-        return self.context.load_state(state)
+        return self.context.load_state(state, self.prefix.seq)
 
     # -- what the set loader (kvlocal.library) asks of a session --------------------------
 
@@ -521,32 +641,33 @@ class Session:
     def hold_prefix(self, n_prefix: int, layout: DocumentLayout, label: str) -> None:
         """The context now holds a prompt prefix of `n_prefix` positions laid out as `layout`, on a model
         whose memory is per cell (a question is dropped by removing its cells): questions are asked of it."""
-        self.n_prefix = n_prefix
-        self.layout = layout
-        self._prefix_state = None
-        self._text_index = None
-        self.doc_label = label
+        self.prefix = Prefix(n_prefix=n_prefix, layout=layout, label=label)
 
     # -- questions ------------------------------------------------------------------------
 
     @property
     def n_documents(self) -> int:
         """Documents the loaded prefix holds (a set may hold several)."""
-        return max(1, len(self.layout.spans))
+        return self.prefix.n_documents
 
-    def prefix_cell_tokens(self) -> list[int]:
-        """The tokens of the prefix (template head, documents, middle) in cell order."""
-        if self.layout.cell_tokens:
-            return list(self.layout.cell_tokens)
-        return self.context.tokens(0, self.n_prefix)
+    def prefix_cell_tokens(self, prefix: Prefix | None = None) -> list[int]:
+        """The tokens of the prefix (template head, documents, middle) in cell order (None: the current one)."""
+        prefix = prefix or self.prefix
+        if prefix.layout.cell_tokens:
+            return list(prefix.layout.cell_tokens)
+        if prefix.tokens:
+            return list(prefix.tokens)
+        return self.context.tokens(0, prefix.n_prefix)
 
     def document_at(self, cell: int) -> DocumentSpan | None:
         """The document whose body holds `cell` (None for the template head, the question and the answer)."""
         return span_at(self.layout.spans, cell)
 
-    def read_tally(self) -> SetReads:
-        """An empty tally of the reads of the next answer, by document (feed it each step's ReadStats)."""
-        return SetReads(self.layout.spans, self.prefix_cells)
+    def read_tally(self, prefix: Prefix | None = None) -> SetReads:
+        """An empty tally of the reads of the next answer about `prefix` (None: the current one), by
+        document (feed it each step's ReadStats)."""
+        prefix = prefix or self.prefix
+        return SetReads(prefix.layout.spans, prefix.first_cell + prefix.cells, origin=prefix.first_cell)
 
     def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         """Each token's bytes, control tokens spelled out (what a text index reads)."""
@@ -554,23 +675,31 @@ class Session:
         return [pieces[t] for t in tokens]
 
     def resolve_answer_route(self, question: str, asked: RouteConfig | Route | None = None,
-                             n_documents: int | None = None) -> Route:
+                             n_documents: int | None = None, prefix: Prefix | None = None) -> Route:
         """The route an answer to `question` takes over the loaded documents (resolve_route with the
-        prefix's cells and the question's hints), as `ask` resolves it."""
-        facts = RouteFacts(n_documents or self.n_documents, self.prefix_cells, self._hint_finder(question))
-        return resolve_route(asked or MODEL_ROUTE, self.calibrated_route, facts)
+        prefix's cells and the question's hints), as `ask` resolves it. A shelf's `prefix`: as `ask`
+        resolves it for that document alone, its hints at the prefix's own cells."""
+        prefix = prefix or self.prefix
+        facts = RouteFacts(n_documents or prefix.n_documents, prefix.cells, self._hint_finder(question, prefix))
+        route = resolve_route(asked or MODEL_ROUTE, self.calibrated_route, facts)
+        if prefix.first_cell and route.hint_cells:
+            route = replace(route, hint_cells=tuple(c + prefix.first_cell for c in route.hint_cells))
+        return route
 
     def rewind(self) -> None:
-        """Drop the previous question and answer of the document's own sequence (kvlocal.batch starts so)."""
+        """Drop the previous question and answer of the document's own sequence (kvlocal.batch starts so;
+        a shelf's sequences hold their documents only)."""
+        if self.shelf:
+            return
         with self._lock:
             self._rewind()
 
-    def _hint_finder(self, question: str):
-        """The question's hints in the loaded prefix (RouteFacts.find_hints): its text indexed on first use."""
+    def _hint_finder(self, question: str, prefix: Prefix):
+        """The question's hints in `prefix` (RouteFacts.find_hints): its text indexed on first use."""
         def find(n: int, region: int, skip_regions: int) -> list[int]:
-            if self._text_index is None:
-                self._text_index = TextIndex.of(self.token_pieces(self.prefix_cell_tokens()))
-            return hint_cells(self._text_index, question, n, region, skip_regions=skip_regions)
+            if prefix.text_index is None:
+                prefix.text_index = TextIndex.of(self.token_pieces(self.prefix_cell_tokens(prefix)))
+            return hint_cells(prefix.text_index, question, n, region, skip_regions=skip_regions)
         return find
 
     def _rewind(self) -> None:
@@ -647,6 +776,8 @@ class Session:
     def _decode_answer(self, question: str, asked: RouteConfig | Route, n_documents: int, max_tokens: int,
                        temperature: float, seed: int, want_regions: bool, cancel: threading.Event | None,
                        ) -> Generator[AnswerPiece, None, AnswerSummary]:
+        if self.shelf:
+            raise UsageError("the session holds a shelf of documents: its answers decode through kvlocal.batch")
         if self.context is None or self.n_prefix == 0:
             raise UsageError("no document is loaded")
         check_ask_settings(question, max_tokens, temperature, seed)
@@ -725,10 +856,9 @@ class Session:
         """Free the context and its KV cache (the next load_document starts as a new process would)."""
         with self._lock:
             self.context = None
-            self.n_prefix = 0
-            self.layout = DocumentLayout()
-            self._prefix_state = None
-            self._text_index = None
+            self.prefix = Prefix()
+            self.shelf = {}
+            self._homes = 1
 
     def close(self) -> None:
         self.context = None

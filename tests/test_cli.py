@@ -415,6 +415,29 @@ def test_bench_serve_asks_the_real_server_alone_and_together(cache_dir, tiny_mod
     assert "| 2 askers |" in result.stdout and "| same text |" in result.stdout
 
 
+def test_bench_serve_asks_each_asker_its_own_document_together(cache_dir, tiny_model, tmp_path):
+    """--documents each: every asker asks its own named document (a shelf), and still decodes beside
+    the others; full attention gives alone the answers it gives 4 at a time."""
+    out = tmp_path / "serve.json"
+    result = run("bench", "serve", "--model", str(tiny_model), "--lengths", "2k", "--askers", "1,2", "--tokens", "6",
+                 "--probes", "4", "--top-k", "2", "--centroid-block", "32", "--documents", "each", "--out", str(out))
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["documents"] == "each"
+    by_mode = report["lengths"]["2048"]
+    for mode in ("geometric", "full"):
+        askers = by_mode[mode]["askers"]
+        assert (askers["1"]["beside"], askers["2"]["beside"]) == (0, 1)
+        assert all(a["tokens"] > 0 and a["decode_tok_s"] > 0 for a in askers.values())
+    assert by_mode["full"]["same_text"] == 4
+    assert "shelf" in result.stderr
+
+
+def test_bench_serve_refuses_bad_documents_before_any_work(cache_dir, tiny_model):
+    result = run("bench", "serve", "--model", str(tiny_model), "--documents", "some")
+    assert result.exit_code == 2 and "--documents" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_bench_serve_refuses_bad_askers_before_any_work(cache_dir, tiny_model):
     result = run("bench", "serve", "--model", str(tiny_model), "--askers", "0,2")
     assert result.exit_code == 2 and "--askers" in result.stderr and "Traceback" not in result.stderr

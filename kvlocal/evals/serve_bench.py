@@ -1,4 +1,4 @@
-"""`kvlocal bench serve`: many askers of one document through the real server.
+"""`kvlocal bench serve`: many askers through the real server, of one document or each of its own.
 
 For each document length and each route the benchmark starts `kvlocal serve`'s state (its own
 Session, Scheduler and worker, `--batch` answers decoded together) behind the real HTTP server on a
@@ -6,6 +6,9 @@ free loopback port, and asks it with plain HTTP clients in threads, streaming se
 
 - the document (a planted-facts haystack of the length) is sent as a base64 `file` content part;
   a first request loads it (its prefill, or its cached state), so later requests time decoding only;
+  with `--documents each`, every asker has a document of its own (haystacks of the length, one per
+  seed), named when the server starts and kept side by side on its shelf (kvlocal.shelf), each
+  request naming its own; the probes are spread over the first BUSY_ASKERS documents;
 - every probe alone: its answer text and its time to first token (idle);
 - N askers at once, for each N of --askers: N long-form requests held at the scheduler until all
   are queued, then released, so they join one batch before its first step. Aggregate decode tok/s
@@ -14,8 +17,7 @@ free loopback port, and asks it with plain HTTP clients in threads, streaming se
 - the probes asked 4 at a time (held and released the same way): their texts against alone;
 - a probe sent while 4 long answers decode: its time to first token (busy).
 
-Serve batches requests that ask the documents loaded: every asker here asks the same document
-(askers of different documents take turns; that is the scheduler's rule, not measured here).
+Serve batches requests that ask the documents loaded, or any documents of its shelf.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import base64
 import http.client
 import json
 import statistics
+import tempfile
 import threading
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -93,7 +97,11 @@ def stream(port: int, body: dict, on_first: Callable[[], None] | None = None, ti
         conn.close()
 
 
-def request(document: dict, question: str, max_tokens: int) -> dict:
+def request(document: dict | str, question: str, max_tokens: int) -> dict:
+    """A request about `document`: a `file` content part, or the name of a document the server was started with."""
+    if isinstance(document, str):
+        return {"model": "kvlocal", "max_tokens": max_tokens, "temperature": 0, "documents": [document],
+                "messages": [{"role": "user", "content": question}]}
     return {"model": "kvlocal", "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "user", "content": [document, {"type": "text", "text": question}]}]}
 
@@ -126,20 +134,23 @@ def decode_rate(replies: list[Reply]) -> float:
     return after / (end - start) if end > start else 0.0
 
 
-def bench_route(state, port: int, case: Case, name: str, askers: list[int], n_tokens: int,
+def bench_route(state, port: int, docs: list[dict | str], cases: list[Case], askers: list[int], n_tokens: int,
                 log: Callable[[str], None]) -> dict:
-    """One route's figures on one document (see the module's docstring)."""
-    doc = document_part(name, case.text)
-    probes = case.probes
+    """One route's figures (see the module's docstring): every asker asks `docs[0]` (one document), or
+    asker i `docs[i]` (a document each); `cases[i]` is `docs[i]`'s."""
+    each = len(docs) > 1
+    # (document, probe): one document's probes, or probe i of document i % BUSY_ASKERS
+    probes = [(docs[i % BUSY_ASKERS] if each else docs[0], (cases[i % BUSY_ASKERS] if each else cases[0]).probes[i])
+              for i in range(len(cases[0].probes))]
     probe_tokens = 24
     workers = max(max(askers), BUSY_ASKERS) + 1
     with ThreadPoolExecutor(workers) as pool:
-        loaded = stream(port, request(doc, probes[0].question, 1))
-        log(f"  document ready in {loaded.first - loaded.sent:.1f} s")
-        alone = [stream(port, request(doc, p.question, probe_tokens)) for p in probes]
+        loaded = stream(port, request(docs[0], cases[0].probes[0].question, 1))
+        log(f"  document{'s' * each} ready in {loaded.first - loaded.sent:.1f} s")
+        alone = [stream(port, request(doc, p.question, probe_tokens)) for doc, p in probes]
         rates = {}
         for n in askers:
-            bodies = [request(doc, LONG_PROMPT.format(n=i + 1), n_tokens) for i in range(n)]
+            bodies = [request(docs[i] if each else docs[0], LONG_PROMPT.format(n=i + 1), n_tokens) for i in range(n)]
             futures, released = together(state, port, bodies, pool)
             replies = [f.result() for f in futures]
             tokens = sum(r.completion_tokens for r in replies)
@@ -154,8 +165,8 @@ def bench_route(state, port: int, case: Case, name: str, askers: list[int], n_to
         for at in range(0, len(probes), BUSY_ASKERS):
             group = probes[at:at + BUSY_ASKERS]
             grouped += [f.result() for f in together(state, port, [request(doc, p.question, probe_tokens)
-                                                                   for p in group], pool)[0]]
-        busy = _busy_ttft(state, port, doc, probes[-1].question, probe_tokens, n_tokens, pool)
+                                                                   for doc, p in group], pool)[0]]
+        busy = _busy_ttft(state, port, docs, probes[-1], probe_tokens, n_tokens, pool)
     same = sum(a.text == g.text for a, g in zip(alone, grouped))
     log(f"  probes: {same}/{len(probes)} same text alone and {BUSY_ASKERS} at a time; "
         f"time to first token {statistics.median(r.ttft for r in alone):.2f} s idle, {busy['ttft']:.2f} s "
@@ -164,7 +175,7 @@ def bench_route(state, port: int, case: Case, name: str, askers: list[int], n_to
         "askers": {str(n): v for n, v in rates.items()},
         "probes": [{"question": p.question, "answers": list(p.answers), "depth": p.depth,
                     "alone": a.text, "together": g.text, "score_alone": score(p, a.text),
-                    "score_together": score(p, g.text)} for p, a, g in zip(probes, alone, grouped)],
+                    "score_together": score(p, g.text)} for (_, p), a, g in zip(probes, alone, grouped)],
         "same_text": same,
         "ttft_idle_s": [r.ttft for r in alone],
         "ttft_busy_s": busy["ttft"],
@@ -179,23 +190,27 @@ def _record(state, job_id: str):
     return record
 
 
-def _busy_ttft(state, port: int, doc: dict, question: str, probe_tokens: int, n_tokens: int,
+def _busy_ttft(state, port: int, docs: list[dict | str], probe: tuple, probe_tokens: int, n_tokens: int,
                pool: ThreadPoolExecutor) -> dict:
     """A probe's time to first token while BUSY_ASKERS long answers decode (sent once each has
-    its first token; they are long enough to go on decoding past the probe's first token)."""
+    its first token; they are long enough to go on decoding past the probe's first token): all
+    about one document, or the long answers each about its own and the probe about `probe`'s."""
     started = threading.Barrier(BUSY_ASKERS + 1)
-    bodies = [request(doc, LONG_PROMPT.format(n=i + 1), 3 * n_tokens) for i in range(BUSY_ASKERS)]
+    bodies = [request(docs[i] if len(docs) > 1 else docs[0], LONG_PROMPT.format(n=i + 1), 3 * n_tokens)
+              for i in range(BUSY_ASKERS)]
     futures, _ = together(state, port, bodies, pool, lambda: started.wait(600))
     started.wait(600)
-    probe = stream(port, request(doc, question, probe_tokens))
+    doc, question = probe
+    probe = stream(port, request(doc, question.question, probe_tokens))
     long = [f.result() for f in futures]
     record = _record(state, probe.job_id)
     still = sum(r.last > probe.first for r in long)
     return {"ttft": probe.ttft, "beside": min(record.answered_beside, still)}
 
 
-def serve_report(session_info: dict, lengths: dict, routes: dict, askers: list[int], n_tokens: int) -> dict:
-    return {"kind": "serve", "session": session_info, "askers": askers, "tokens": n_tokens,
+def serve_report(session_info: dict, lengths: dict, routes: dict, askers: list[int], n_tokens: int,
+                 documents: str = "one") -> dict:
+    return {"kind": "serve", "session": session_info, "askers": askers, "tokens": n_tokens, "documents": documents,
             "routes": {mode: asdict(route) for mode, route in routes.items()},
             "lengths": lengths}
 
@@ -253,39 +268,53 @@ def _correct(scores: list[float]) -> str:
 
 
 def bench_serve(model, threads, lengths: list[int], modes: list[str], routes: dict, askers: list[int],
-                n_tokens: int, n_probes: int, centroid_block: int, centroid_type, log) -> dict:
-    """Every length and route (see the module's docstring); the report."""
+                n_tokens: int, n_probes: int, centroid_block: int, centroid_type, log, documents: str = "one") -> dict:
+    """Every length and route (see the module's docstring), every asker of one document
+    (`documents` "one") or of its own ("each"); the report."""
     from kvlocal.evals.runner import make_case
     from kvlocal.serve.command import open_state, serving_in_thread
     from kvlocal.serve.schemas import Limits
     from kvlocal.session import Session
 
     answers = max(max(askers), BUSY_ASKERS + 1)
+    n_docs = answers if documents == "each" else 1
     probe_session = Session(model, threads=threads)  # its vocabulary: the cases' token counts
     try:
         depths = [round(0.1 + 0.8 * i / max(1, n_probes - 1), 3) for i in range(n_probes)]
-        cases = {length: make_case(probe_session, "lookalike", length, depths, 0) for length in lengths}
+        cases = {length: [make_case(probe_session, "lookalike", length, depths, seed) for seed in range(n_docs)]
+                 for length in lengths}
     finally:
         probe_session.close()
     results: dict = {}
     info: dict = {}
-    for length, case in cases.items():
-        by_mode: dict = {"n_tokens": case.n_tokens}
-        for mode in modes:
-            log(f"serve bench {length}: {case.n_tokens:,} tokens, route {mode}")
-            state = open_state([], [], Limits(), model=model, threads=threads, answers=answers,
-                               queue=2 * answers, route=routes[mode], centroid_block=centroid_block,
-                               centroid_type=centroid_type)
-            info = info or {"line": _session_line(state, answers)}
-            with serving_in_thread(state) as port:
-                by_mode[mode] = bench_route(state, port, case, f"lookalike-{length}.txt", askers, n_tokens, log)
+    for length, length_cases in cases.items():
+        by_mode: dict = {"n_tokens": length_cases[0].n_tokens}
+        names = [f"lookalike-{length}-{seed}.txt" for seed in range(n_docs)]
+        with tempfile.TemporaryDirectory(prefix="kvlocal-serve-bench-") as folder:
+            sources = []
+            if documents == "each":
+                for name, case in zip(names, length_cases):
+                    (Path(folder) / name).write_text(case.text)
+                    sources.append(str(Path(folder) / name))
+            docs = names if documents == "each" else [document_part(names[0], length_cases[0].text)]
+            for mode in modes:
+                log(f"serve bench {length}: {len(docs)} document(s) of {length_cases[0].n_tokens:,} tokens, route {mode}")
+                state = open_state(sources, [], Limits(), model=model, threads=threads, answers=answers,
+                                   queue=2 * answers, route=routes[mode], centroid_block=centroid_block,
+                                   centroid_type=centroid_type)
+                if documents == "each" and len(state.scheduler.worker.shelf_documents) != n_docs:
+                    raise RuntimeError("the documents do not fit side by side on the server's shelf (the KV limit)")
+                info = info or {"line": _session_line(state, answers, documents)}
+                with serving_in_thread(state) as port:
+                    by_mode[mode] = bench_route(state, port, docs, length_cases, askers, n_tokens, log)
         results[str(length)] = by_mode
-    return serve_report(info, results, routes, askers, n_tokens)
+    return serve_report(info, results, routes, askers, n_tokens, documents)
 
 
-def _session_line(state, answers: int) -> str:
+def _session_line(state, answers: int, documents: str = "one") -> str:
     import platform
 
     session = state.scheduler.worker.session
+    who = "one document asked by every asker" if documents == "one" else "each asker its own document (a shelf)"
     return (f"model {session.model.path.stem}, {platform.machine()} CPU, {session.threads} threads, "
-            f"serve --batch {answers}, one document asked by every asker")
+            f"serve --batch {answers}, {who}")

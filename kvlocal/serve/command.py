@@ -17,7 +17,7 @@ import typer
 
 from kvlocal.addresses import is_loopback
 from kvlocal.cli_options import CtxOpt, KvTypeOpt, MaxKvOpt, ModelOpt, RouteOpt, RouteOptions, ThreadsOpt, option_groups
-from kvlocal.errors import UsageError
+from kvlocal.errors import KvlocalError, UsageError
 from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_MODE, MAX_ANSWER_TOKENS, MAX_ANSWERS
 
 DEFAULT_PORT = 8080
@@ -49,9 +49,10 @@ def serve(
                                                help="Most documents in one request.")] = 16,
     batch: Annotated[int, typer.Option(
         "--batch", min=1, max=MAX_ANSWERS,
-        help="Answers decoded together: requests that ask the documents loaded join the running ones between "
-             "two tokens, each its own sequence routed over its own documents with its own selection memory, "
-             "pins and hints, as `kvlocal ask` routes it.")] = 1,
+        help="Answers decoded together: requests join the running ones between two tokens, each its own "
+             "sequence routed over its own documents with its own selection memory, pins and hints, as "
+             "`kvlocal ask` routes it. With two or more DOCUMENTs named, they are held side by side, so "
+             "requests about different ones decode together; other requests wait for the batch to drain.")] = 1,
     route: RouteOpt = DEFAULT_MODE,
     routing: RouteOptions = RouteOptions(),
 ) -> None:
@@ -113,8 +114,36 @@ def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=N
     ring = KeyRing.parse(keys, catalog)
     session = Session(model, n_ctx=ctx, threads=threads, kv_type=kv_type, answers=answers,
                       centroid_block=centroid_block, centroid_type=centroid_type)
-    scheduler = Scheduler(session, queue_size=queue, max_kv=max_kv, audit=audit, route=route)
+    scheduler = Scheduler(session, queue_size=queue, max_kv=max_kv, audit=audit, route=route,
+                          shelf=shelf_documents(session, catalog, max_kv))
     return ServerState(scheduler, catalog, ring, limits, session.model.path.stem)
+
+
+def shelf_documents(session, catalog, max_kv) -> tuple:
+    """The documents named at start that `serve --batch N` keeps side by side (kvlocal.shelf), so that
+    requests about different ones decode together: each named single document (a folder is a set,
+    loaded on its own), as many as fit the model's context and the KV limit; () with one answer at a
+    time, fewer than two such documents, or a model whose memory cannot be laid out so."""
+    from kvlocal.library import check_composable
+    from kvlocal.shelf import plan_shelf
+
+    if session.answers < 2:
+        return ()
+    singles: list = []
+    for documents in catalog.names.values():
+        if len(documents) == 1 and all(documents[0] is not d for d in singles):
+            singles.append(documents[0])
+    if len(singles) < 2:
+        return ()
+    try:
+        check_composable(session)
+    except KvlocalError as err:
+        print(f"kvlocal serve: the named documents are loaded one at a time: {err}", file=sys.stderr, flush=True)
+        return ()
+    chosen, notes = plan_shelf(session, singles, max_kv)
+    for note in notes:
+        print(f"kvlocal serve: not kept side by side with the others: {note}", file=sys.stderr, flush=True)
+    return tuple(chosen) if len(chosen) > 1 else ()
 
 
 def make_server(state, sock: socket.socket | None = None, host: str = "127.0.0.1", port: int = DEFAULT_PORT):

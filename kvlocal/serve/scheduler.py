@@ -12,8 +12,11 @@ current batch or token, and the worker takes the next job.
 With `answers` > 1 (`kvlocal serve --batch N`) the worker decodes up to that many jobs together
 (kvlocal.batch.AnswerBatch): between two steps it takes the waiting jobs that ask the documents
 loaded (each reads its question and joins), and a job that asks other documents waits until the
-batch has drained. Admission, queueing, cancellation and the events a request reads are per job and
-the same either way.
+batch has drained. Given a shelf (the documents the server was started with, kvlocal.shelf), the
+worker keeps them side by side in one context, so that a job about any one of them joins the batch
+whichever of them the others ask; a job about anything else (a set, an attached file) is answered
+as before, the shelf loaded again (from the cache) for the next job about one of its documents.
+Admission, queueing, cancellation and the events a request reads are per job and the same either way.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from kvlocal.layout import SetReads
 from kvlocal.library import check_set_fits, load_set
 from kvlocal.routing import DEFAULT_ROUTE, ReadStats, RouteConfig
 from kvlocal.serve.schemas import ApiError, api_error, usage
-from kvlocal.session import Session
+from kvlocal.session import Prefix, Session
+from kvlocal.shelf import load_shelf
 from kvlocal.units import human_bytes
 
 _ids = itertools.count(1)
@@ -91,13 +95,14 @@ class Scheduler:
 
     def __init__(self, session: Session, *, queue_size: int = 8, max_kv: int | None = None,
                  log: Callable[[str], None] | None = None, audit: bool = False,
-                 route: RouteConfig | None = None) -> None:
+                 route: RouteConfig | None = None, shelf: tuple[Document, ...] = ()) -> None:
         self.queue_size = queue_size
         self.waiting = 0
         self.running: dict[str, Job] = {}  # by id: the jobs the worker has taken and not finished
         self.records: deque[JobRecord] = deque(maxlen=256)
         self.log = log or (lambda text: print(f"kvlocal serve: {text}", file=sys.stderr, flush=True))
-        self.worker = Worker(session, max_kv=max_kv, log=self.log, audit=audit, route=route or DEFAULT_ROUTE)
+        self.worker = Worker(session, max_kv=max_kv, log=self.log, audit=audit, route=route or DEFAULT_ROUTE,
+                             shelf=shelf)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._later: deque[Job | None] = deque()  # taken from the queue while a batch of other documents ran
         self._changed = threading.Condition()
@@ -206,16 +211,22 @@ class Scheduler:
 
 class Worker:
     """Owns the session: readies each job's documents and decodes its answer (one job at a time, or
-    with the session's `answers` > 1 several jobs of the same documents together)."""
+    with the session's `answers` > 1 several jobs together: of the same documents, or each of a
+    document on the shelf)."""
 
     def __init__(self, session: Session, *, max_kv: int | None, log: Callable[[str], None], audit: bool,
-                 route: RouteConfig) -> None:
+                 route: RouteConfig, shelf: tuple[Document, ...] = ()) -> None:
+        if shelf and session.answers < 2:
+            raise ValueError("a shelf serves answers decoded together")
         self.session = session
         self.route = route  # every answer's (its seed the request's)
         self.max_kv = max_kv
         self.log = log
         self.audit = audit
         self._loaded: tuple | None = None  # the documents the session holds (by text and name)
+        self.shelf_documents = shelf
+        self._shelf_keys = {self._key_of((doc,)) for doc in shelf}
+        self._shelf: dict[tuple, Prefix] | None = None  # the loaded shelf's prefixes by job key
 
     def run(self, job: Job) -> JobRecord:
         try:
@@ -235,7 +246,7 @@ class Worker:
             self.log(f"{job.id}: {err}")
             job.emit("error", api_error(err))
         else:
-            self._loaded = None
+            self._loaded = self._shelf = None
             self.log(f"{job.id}: internal error: {type(err).__name__}: {err}")
             job.emit("error", ApiError(500, f"internal error: {type(err).__name__}", code="internal_error"))
         return JobRecord(job.id, labels, "error")
@@ -250,21 +261,30 @@ class Worker:
         except Exception as err:  # noqa: BLE001 - a request must not take the worker down
             finished(first, self._failed(first, err))
             return
-        key, answering = self._loaded, {}  # handle -> (job, its reads)
+        key, shelf = self._loaded, self._shelf
+        answering: dict[int, tuple[Job, DocumentReads, Prefix | None]] = {}  # handle -> job, its reads, its prefix
         beside: dict[int, int] = {}  # handle -> the most other answers decoded with one of its steps
 
+        def prefix_of(job: Job) -> Prefix | None:
+            return shelf.get(self._key(job)) if shelf else None
+
         def join(job: Job) -> None:
+            prefix = prefix_of(job)
             try:
                 handle = batch.add(job.question, max_tokens=job.max_tokens, temperature=job.temperature,
-                                   seed=job.seed, want_regions=True, cancel=job.cancel)
+                                   seed=job.seed, want_regions=True, cancel=job.cancel, prefix=prefix)
             except Exception as err:  # noqa: BLE001
                 finished(job, self._failed(job, err))
                 return
-            answering[handle], beside[handle] = (job, DocumentReads(self.session.read_tally())), 0
+            tally = DocumentReads(self.session.read_tally(prefix))
+            answering[handle], beside[handle] = (job, tally, prefix), 0
 
         def can_join(job: Job) -> bool:
-            return (self._key(job) == key
-                    and batch.can_take(len(batch.question_tokens(job.question)), job.max_tokens))
+            prefix = prefix_of(job)
+            if prefix is None and (shelf or self._key(job) != key):
+                return False
+            return batch.can_take(len(batch.question_tokens(job.question)), job.max_tokens,
+                                  batch.route_of(job.question, prefix))
 
         join(first)
         try:
@@ -274,31 +294,39 @@ class Worker:
                 for handle in answering:
                     beside[handle] = max(beside[handle], len(batch.open) - 1)
                 for step in batch.step():
-                    job, tally = answering[step.answer]
+                    job, tally, prefix = answering[step.answer]
                     if step.piece is not None:
                         tally.add(step.piece.stats)
                         if step.piece.text:
                             job.emit("delta", step.piece.text)
                     if step.summary is not None:
                         del answering[step.answer]
-                        finished(job, self._close(job, step.summary, tally, beside[step.answer]))
+                        finished(job, self._close(job, step.summary, tally, beside[step.answer], prefix))
         except Exception as err:  # noqa: BLE001
-            for job, _ in answering.values():
+            for job, _, _ in answering.values():
                 finished(job, self._failed(job, err))
-            self._loaded = None
+            self._loaded = self._shelf = None
         finally:
             batch.close()
 
     @staticmethod
-    def _key(job: Job) -> tuple:
-        return tuple((text_digest(d.text), d.source) for d in job.documents)
+    def _key_of(documents) -> tuple:
+        return tuple((text_digest(d.text), d.source) for d in documents)
+
+    def _key(self, job: Job) -> tuple:
+        return self._key_of(job.documents)
 
     def _ready(self, job: Job) -> None:
-        """Load the job's documents, unless the session holds exactly them already."""
+        """Load the job's documents, unless the session holds exactly them already (or, for a
+        document of the shelf, the shelf)."""
         key = self._key(job)
+        if key in self._shelf_keys:
+            if self._shelf is None:
+                self._load_shelf(job)
+            return
         if key == self._loaded:
             return
-        self._loaded = None
+        self._loaded = self._shelf = None
         session = self.session
         if len(job.documents) > 1:
             check_set_fits(session, job.documents, self.max_kv)
@@ -307,6 +335,16 @@ class Worker:
         self.log(f"{job.id}: {len(job.documents)} document(s), {load.n_tokens:,} tokens ready in {load.seconds:.1f} s "
                  f"({hits} from the cache)")
         self._loaded = key
+
+    def _load_shelf(self, job: Job) -> None:
+        """Load the shelf (its documents' states from the cache, or prefilled and saved)."""
+        self._loaded = self._shelf = None
+        session = self.session
+        load = load_shelf(session, self.shelf_documents, region=session.route_for(self.route).region,
+                          cancel=job.cancel, log=lambda text: self.log(f"{job.id}: {text}"))
+        self._shelf = {self._key_of((doc,)): prefix for doc, prefix in zip(self.shelf_documents, load.prefixes)}
+        self.log(f"{job.id}: a shelf of {len(load.prefixes)} documents, {load.n_tokens:,} tokens in "
+                 f"{load.n_ctx:,} cells, ready in {load.seconds:.1f} s ({load.cache_hits} from the cache)")
 
     def _answer(self, job: Job) -> JobRecord:
         session = self.session
@@ -324,11 +362,11 @@ class Worker:
         summary = answer.summary()
         return self._close(job, summary, tally)
 
-    def _close(self, job: Job, summary, tally: DocumentReads, beside: int = 0) -> JobRecord:
+    def _close(self, job: Job, summary, tally: DocumentReads, beside: int = 0, prefix: Prefix | None = None) -> JobRecord:
         """The ended answer's record; its client gets the whole answer, or the cancelled event."""
         session = self.session
         labels = tuple(d.source for d in job.documents)
-        read_texts = self._read_texts(summary.region_reads, tally) if self.audit else ()
+        read_texts = self._read_texts(summary.region_reads, tally, prefix) if self.audit else ()
         if job.cancel.is_set():
             self.log(f"{job.id}: cancelled after {summary.n_answer_tokens} answer tokens")
             job.emit("cancelled")
@@ -338,11 +376,12 @@ class Worker:
         self.log(f"{job.id}: {summary.n_answer_tokens} answer tokens; read {human_bytes(summary.bytes_read)} of "
                  f"{human_bytes(summary.bytes_dense)} dense ({summary.reduction:.1f}x fewer); "
                  f"{tally.reads.describe(rest=False)}")
-        usage_counts = usage(session.prefix_cells + summary.n_question_tokens, summary.n_answer_tokens)
+        usage_counts = usage((prefix or session.prefix).cells + summary.n_question_tokens, summary.n_answer_tokens)
         job.emit("done", JobResult(summary.text, finish, usage_counts, reads))
         return JobRecord(job.id, labels, "done", summary.n_answer_tokens, read_texts, beside)
 
-    def _read_texts(self, region_reads: dict[tuple[int, int], int], tally: DocumentReads) -> tuple[tuple[str, str], ...]:
+    def _read_texts(self, region_reads: dict[tuple[int, int], int], tally: DocumentReads,
+                    prefix: Prefix | None = None) -> tuple[tuple[str, str], ...]:
         """The text of the document cells in each region the engine reported read (audit)."""
         size = tally.region_size
         texts = []
@@ -350,7 +389,7 @@ class Worker:
             lo, hi = region * size, (region + 1) * size
             for span in tally.reads.spans:
                 if max(lo, span.start) < min(hi, span.end):
-                    texts.append((span.label, self.session.span_text(max(lo, span.start), min(hi, span.end))))
+                    texts.append((span.label, self.session.span_text(max(lo, span.start), min(hi, span.end), prefix)))
         return tuple(texts)
 
 

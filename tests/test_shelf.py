@@ -1,0 +1,178 @@
+"""A shelf (kvlocal.shelf): several documents side by side in one context, each in its own sequence and
+cells, so that answers about different documents decode in one batch. On the tiny model: each answer of
+a mixed batch is its answer decoded in a batch of its own (text, tokens and rows read), with and without
+the selection memory and pins; with every region selected it is dense attention over its document; with
+full attention it is `Session.ask` on that document alone; every region it gathers lies in its own
+document's cells or its own question and answer; a shelf's documents are saved and found under the
+keys `ask` uses; and a server started with named documents and --batch decodes requests about different
+ones together."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+from kvlocal.batch import AnswerBatch  # noqa: E402
+from kvlocal.errors import UsageError  # noqa: E402
+from kvlocal.ingest import Document  # noqa: E402
+from kvlocal.routing import Route  # noqa: E402
+from kvlocal.session import Session  # noqa: E402
+from kvlocal.shelf import load_shelf, plan_shelf  # noqa: E402
+
+
+def words(tag: str, n: int) -> str:
+    return " ".join(f"{tag}{i} holds {i * 7 % 101} {tag}." for i in range(n))
+
+
+# documents of different lengths: their runs of cells, and their answers' positions, differ
+DOCS = [Document(words("alpha", 40), "alpha.txt", "txt"), Document(words("bravo", 20), "bravo.txt", "txt"),
+        Document(words("charlie", 50), "charlie.txt", "txt")]
+ASKED = [(0, "what does alpha3 hold?"), (1, "what does bravo14 hold?"), (2, "which word follows charlie7?"),
+         (0, "what does alpha30 hold?")]
+ROUTED = Route(mode="geometric", top_k=2, region=64, shortlist=4, keep=0.0, pin=0)
+REMEMBERING = Route(mode="geometric", top_k=3, region=64, shortlist=4, keep=0.9, pin=2)
+BUDGETED = Route(mode="geometric", top_k=2, region=64, shortlist=4, keep=0.0, pin=0, layer_top_k="0=3")
+EVERY = Route(mode="geometric", top_k=4096, region=64, shortlist=0, keep=0.0, pin=0)
+FULL = Route(mode="full")
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def shelf(tiny_model, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVLOCAL_CACHE_DIR", str(tmp_path_factory.mktemp("shelf-cache")))
+        session = Session(str(tiny_model), threads=2, answers=4)
+        load = load_shelf(session, DOCS, region=64)
+        yield session, load
+        session.close()
+
+
+def decode(session: Session, route: Route, asked: list[tuple[int, str]], prefixes) -> list:
+    """The summary of each (document, question) of `asked`, decoded in one batch, with the cells each
+    answer kept and the regions each step read (by the engine's per-sequence counts)."""
+    batch = AnswerBatch(session, route)
+    handles = [batch.add(q, max_tokens=MAX_TOKENS, want_regions=True, prefix=prefixes[d]) for d, q in asked]
+    cells = {h: batch.open[h].cells for h in handles}
+    regions = {h: set() for h in handles}
+    done = {}
+    while batch.open:
+        for step in batch.step():
+            if step.piece is not None and step.piece.stats is not None:
+                regions[step.answer].update(int(r) for r in step.piece.stats.regions.ravel() if r >= 0)
+            if step.summary is not None:
+                done[step.answer] = step.summary
+    batch.close()
+    return [(done[h], cells[h], regions[h]) for h in handles]
+
+
+@pytest.mark.parametrize("route", [ROUTED, REMEMBERING, BUDGETED, FULL],
+                         ids=["routed", "memory-and-pins", "layer-budgets", "full"])
+def test_answers_about_different_documents_decode_together_as_each_alone(shelf, route):
+    session, load = shelf
+    alone = [decode(session, route, [a], load.prefixes)[0][0] for a in ASKED]
+    together = decode(session, route, ASKED, load.prefixes)
+    for (d, q), expected, (got, _, _) in zip(ASKED, alone, together):
+        assert got.text == expected.text, q
+        assert got.n_answer_tokens == expected.n_answer_tokens > 0
+        assert got.rows_read == expected.rows_read, q
+
+
+def test_each_answer_gathers_only_its_own_documents_cells(shelf):
+    session, load = shelf
+    runs = [(p.first_cell, p.first_cell + p.run) for p in load.prefixes]
+    assert all(a[1] <= b[0] for a, b in zip(runs, runs[1:]))  # side by side, no overlap
+    for (d, q), (summary, cells, regions) in zip(ASKED, decode(session, ROUTED, ASKED, load.prefixes)):
+        assert regions, q
+        own = [runs[d], cells]
+        for region in regions:
+            lo, hi = region * ROUTED.region, (region + 1) * ROUTED.region
+            assert any(a <= lo and hi <= b for a, b in own), (q, region, own)
+
+
+def test_every_region_selected_is_full_attention_over_its_document(shelf):
+    session, load = shelf
+    every = decode(session, EVERY, ASKED, load.prefixes)
+    full = decode(session, FULL, ASKED, load.prefixes)
+    assert [s.text for s, _, _ in every] == [s.text for s, _, _ in full]
+
+
+def test_full_attention_on_the_shelf_answers_as_ask_on_the_document_alone(shelf, tiny_model):
+    session, load = shelf
+    got = decode(session, FULL, ASKED, load.prefixes)
+    alone = Session(str(tiny_model), threads=2)
+    try:
+        for (d, q), (summary, _, _) in zip(ASKED, got):
+            result = alone.load_document(DOCS[d].text, label=DOCS[d].source)
+            assert result.cache_hit  # the shelf saved it under the key `ask` looks for
+            assert alone.answer(q, route=FULL, max_tokens=MAX_TOKENS).text == summary.text, q
+    finally:
+        alone.close()
+
+
+def test_the_shelf_loads_from_the_cache_and_an_answer_names_its_document(shelf, tiny_model):
+    session, first = shelf
+    again = Session(str(tiny_model), threads=2, answers=2)
+    try:
+        load = load_shelf(again, DOCS[:2], region=64)
+        assert load.cache_hits == 2
+        assert [p.n_prefix for p in load.prefixes] == [p.n_prefix for p in first.prefixes[:2]]
+        batch = AnswerBatch(again, ROUTED)
+        with pytest.raises(UsageError, match="names the document"):
+            batch.add("what does alpha3 hold?")
+        with pytest.raises(UsageError, match="not on the session's shelf"):
+            batch.add("what does alpha3 hold?", prefix=first.prefixes[0])
+        with pytest.raises(UsageError, match="kvlocal.batch"):
+            again.answer("what does alpha3 hold?")
+        # a document loaded alone takes the shelf's place: the session answers as before
+        again.load_document(DOCS[1].text, label=DOCS[1].source)
+        assert not again.shelf and again.answer("what does bravo4 hold?", max_tokens=4).n_answer_tokens > 0
+    finally:
+        again.close()
+
+
+def test_plan_keeps_what_fits_the_kv_limit(shelf):
+    session, _ = shelf
+    chosen, notes = plan_shelf(session, DOCS, None)
+    assert chosen == DOCS and notes == []
+    chosen, notes = plan_shelf(session, DOCS, 1)
+    assert chosen == [] and len(notes) == 3 and "KV limit" in notes[0]
+
+
+def test_a_server_decodes_requests_about_different_named_documents_together(tiny_model, cache_dir, tmp_path):
+    """Requests about three named documents, queued while the worker is held, decode in one batch, each
+    reading only its own document's cells, and answer as the same requests sent one at a time do."""
+    from test_serve import ask_body, serving
+
+    for doc in DOCS:
+        (tmp_path / doc.source).write_text(doc.text)
+    asked = [(0, "what does alpha3 hold?"), (1, "what does bravo9 hold?"), (2, "which word follows charlie12?")]
+
+    def body(d: int, q: str) -> dict:
+        return ask_body(question=q, max_tokens=6, documents=[DOCS[d].source])
+
+    sources = [tmp_path / doc.source for doc in DOCS]
+    with serving(tiny_model, sources, answers=3) as running, ThreadPoolExecutor(3) as pool:
+        assert running.scheduler.worker.shelf_documents
+        running.scheduler.hold()
+        futures = []
+        for i, (d, q) in enumerate(asked):
+            futures.append(pool.submit(running.post, body(d, q)))
+            assert running.scheduler.wait_for(lambda s, n=i + 1: s.waiting == n, 60)
+        running.scheduler.release()
+        replies = [f.result().json() for f in futures]
+        records = [running.record(r["id"]) for r in replies]
+        alone = [running.post(body(d, q)).json() for d, q in asked]  # one at a time
+    assert all(r.outcome == "done" for r in records)
+    assert max(r.answered_beside for r in records) == 2
+    for record in records:
+        assert record.read_texts
+        tag = record.documents[0].rsplit("/", 1)[-1].split(".")[0]
+        assert all(label.endswith(f"{tag}.txt") and tag in text for label, text in record.read_texts)
+    for reply, (d, q) in zip(replies, asked):
+        reads = reply["kv_reads"]["documents"]
+        assert [r["document"] for r in reads] == [str(tmp_path / DOCS[d].source)]
+    assert [r["choices"][0]["message"]["content"] for r in replies] == \
+        [r["choices"][0]["message"]["content"] for r in alone]
