@@ -15,8 +15,8 @@ On a session holding a shelf (Session.open_shelf: several documents side by side
 sequence and cells), each answer names the shelf's prefix it is about: its sequence shares that
 prefix's cells only, so answers about different documents decode in one batch and each reads its own
 document alone. The engine takes one route for a batch; an answer whose route sets the engine
-otherwise than the open answers' (other than its hints, top-k and pins, which are its own) waits
-(`can_take`).
+otherwise than the open answers' (other than its hinted cells, which are its own, as its pins and
+selection memory are) waits (`can_take`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ class AnswerBatch:
 
     def takes_route(self, route: Route) -> bool:
         """Whether an answer taking `route` decodes beside the open answers as it would alone: the
-        engine's settings are one for a batch, but for each answer's hints, top-k and pins."""
+        engine's settings (top-k and the pin count included) are one for a batch, but for each answer's
+        hinted cells."""
         return all(_shared(a.route) == _shared(route) for a in self.open.values())
 
     def route_of(self, question: str, prefix: Prefix | None = None) -> Route:
@@ -143,7 +144,7 @@ class AnswerBatch:
             context.keep_cells(seq, *cells)
             context.set_hints(route.hint_cells, seq=seq)
             context.copy_sequence(prefix.seq, seq)
-            logits = self._read_question(seq, prefix.n_prefix, q_tokens, route, summary, want_regions)
+            logits = self._read_question(seq, prefix, q_tokens, route, summary, want_regions)
         except BaseException:
             # the sequence and its cells are free again (Ctrl-C or an engine error while reading)
             context.remove_positions(seq)
@@ -156,26 +157,30 @@ class AnswerBatch:
                                time.perf_counter(), AnswerText(context, session.parts.stops))
         return seq
 
-    def _read_question(self, seq: int, pos: int, q_tokens: list[int], route: Route, summary: AnswerSummary,
+    def _read_question(self, seq: int, prefix: Prefix, q_tokens: list[int], route: Route, summary: AnswerSummary,
                        want_regions: bool) -> np.ndarray:
-        context = self.context
+        context, pos = self.context, prefix.n_prefix
         if route.question == "steps":
             context.apply_route(route)
             for i, token in enumerate(q_tokens):
                 logits = context.decode_sequence(seq, [token], pos + i)
-                self._count(summary, context.read_stats(with_regions=want_regions), seq)
+                self._count(summary, context.read_stats(with_regions=want_regions), seq, prefix, i + 1)
             return logits
         context.apply_route(route, batch_top_k=route.question_batch_top_k)
         try:
             logits = context.decode_sequence(seq, q_tokens, pos)
-            self._count(summary, context.read_stats(with_regions=want_regions), seq)
+            self._count(summary, context.read_stats(with_regions=want_regions), seq, prefix, len(q_tokens))
         finally:
             context.apply_route(route)
         return logits
 
-    @staticmethod
-    def _count(summary: AnswerSummary, stats: ReadStats | None, seq: int) -> ReadStats | None:
+    def _count(self, summary: AnswerSummary, stats: ReadStats | None, seq: int, prefix: Prefix,
+               own_cells: int) -> ReadStats | None:
+        """Add sequence `seq`'s share of `stats` to `summary`; on a shelf, as counted over the cells it
+        sees (its prefix's and its `own_cells`: ReadStats.seen_by)."""
         own = stats.sequences.get(seq, stats) if stats is not None and stats.sequences else stats
+        if own is not None and self.session.shelf:
+            own = own.seen_by(prefix.first_cell, prefix.cells, own_cells)
         if own is not None:
             summary.add(own)
         return own
@@ -197,7 +202,7 @@ class AnswerBatch:
         logits = self.context.decode_steps([SequenceStep(a.seq, token, a.pos) for a, token, _ in steps])
         stats = self.context.read_stats(with_regions=any(a.want_regions for a, _, _ in steps))
         for (answer, token, text), answer_logits in zip(steps, logits):
-            own = self._count(answer.summary, stats, answer.seq)
+            own = self._count(answer.summary, stats, answer.seq, answer.prefix, answer.pos + 1 - answer.prefix.n_prefix)
             answer.logits, answer.pos = answer_logits, answer.pos + 1
             answer.summary.n_answer_tokens += 1
             answer.pieces.append(text)
@@ -231,9 +236,9 @@ class AnswerBatch:
 
 
 
-_OWN_SETTINGS = frozenset({"hint_cells", "top_k", "pin"})
+_OWN_SETTINGS = frozenset({"hint_cells"})  # set per sequence (set_hints); the rest is one per batch (apply_route)
 
 
 def _shared(route: Route) -> tuple:
-    """What of `route` the engine takes for a whole batch: all but an answer's own hints, top-k and pins."""
+    """What of `route` the engine takes for a whole batch: all but an answer's own hinted cells."""
     return tuple(getattr(route, f.name) for f in fields(route) if f.name not in _OWN_SETTINGS)

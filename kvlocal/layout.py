@@ -127,7 +127,11 @@ class SetReads:
             return
         self.steps += 1
         n_dense = max(0, stats.n_layer - stats.n_layer_routed)
-        if n_dense and stats.n_kv:
+        if n_dense and stats.seen is not None:  # a shelf's answer: its prefix's cells and its own
+            first, prefix_cells, own_cells = stats.seen
+            self._add_cells(first, first + prefix_cells, n_dense * stats.n_head_kv)
+            self.rest += n_dense * stats.n_head_kv * own_cells
+        elif n_dense and stats.n_kv:
             self._add_cells(0, stats.n_kv, n_dense * stats.n_head_kv)
         if stats.n_layer_routed and stats.regions.size:
             self.routed_steps += 1

@@ -463,6 +463,26 @@ class ReadStats:
     # a ubatch of one step of each of several sequences: what each read, by sequence id (the totals
     # above sum them; the regions are each sequence's own)
     sequences: dict[int, ReadStats] = field(default_factory=dict)
+    # where the sequence sees only part of the view (a shelf, see seen_by): its prefix's first cell,
+    # the prefix's cells and its own cells after them (its question and answer so far); None: all of it
+    seen: tuple[int, int, int] | None = None
+
+    def seen_by(self, first_cell: int, prefix_cells: int, own_cells: int) -> ReadStats:
+        """This step of a sequence that sees, of the view's n_kv cells, only a prefix's `prefix_cells`
+        from `first_cell` and `own_cells` of its own (a shelf's answer: the other documents' cells are
+        masked out for it, and neither dense attention nor a layer that attends densely reads them): the
+        dense figures and the dense layers' reads counted over the cells it sees, as the engine counts
+        them over the view."""
+        cells = prefix_cells + own_cells
+        if self.n_kv <= cells or not self.rows_dense:
+            return self
+        per_row = self.bytes_dense // self.rows_dense  # the engine's K + V bytes of one cell of one KV head
+        unseen = (self.n_kv - cells) * self.n_head_kv
+        n_dense = max(0, self.n_layer - self.n_layer_routed)
+        return replace(self, rows_dense=self.rows_dense - unseen * self.n_layer,
+                       bytes_dense=self.bytes_dense - unseen * self.n_layer * per_row,
+                       rows_read=self.rows_read - unseen * n_dense, bytes_kv=self.bytes_kv - unseen * n_dense * per_row,
+                       seen=(first_cell, prefix_cells, own_cells))
 
     @property
     def bytes_read(self) -> int:

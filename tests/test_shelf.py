@@ -10,6 +10,7 @@ ones together."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -112,6 +113,26 @@ def test_full_attention_on_the_shelf_answers_as_ask_on_the_document_alone(shelf,
         alone.close()
 
 
+@pytest.mark.parametrize("route", [ROUTED, FULL], ids=["routed", "full"])
+def test_an_answer_counts_and_reads_alike_whatever_else_is_on_the_shelf(shelf, tiny_model, route):
+    """The same question about alpha on a shelf of three documents (alpha first) and on one of two
+    (alpha after bravo, so at other cells): the same text, rows read and dense rows; the dense figure is
+    the cells the answer sees (its document's and its own), and full attention reads those only."""
+    session, load = shelf
+    (big, _, _), = decode(session, route, [ASKED[0]], load.prefixes)
+    other = Session(str(tiny_model), threads=2, answers=2)
+    try:
+        small = load_shelf(other, [DOCS[1], DOCS[0]], region=64)
+        assert small.prefixes[1].first_cell != load.prefixes[0].first_cell
+        (got, _, _), = decode(other, route, [(1, ASKED[0][1])], small.prefixes)
+    finally:
+        other.close()
+    assert got.text == big.text and got.n_answer_tokens == big.n_answer_tokens
+    assert (got.rows_read, got.rows_dense, got.bytes_dense) == (big.rows_read, big.rows_dense, big.bytes_dense)
+    if route is FULL:
+        assert big.rows_read == big.rows_dense and big.bytes_read == big.bytes_dense
+
+
 def test_the_shelf_loads_from_the_cache_and_an_answer_names_its_document(shelf, tiny_model):
     session, first = shelf
     again = Session(str(tiny_model), threads=2, answers=2)
@@ -131,6 +152,21 @@ def test_the_shelf_loads_from_the_cache_and_an_answer_names_its_document(shelf, 
         assert not again.shelf and again.answer("what does bravo4 hold?", max_tokens=4).n_answer_tokens > 0
     finally:
         again.close()
+
+
+def test_an_answer_whose_route_sets_the_engine_otherwise_waits(shelf):
+    """The engine's route is one per batch but for each sequence's hinted cells: a route with another
+    top-k (a hint can raise it) or pin count does not join; one with other hinted cells does."""
+    session, load = shelf
+    batch = AnswerBatch(session, ROUTED)
+    try:
+        batch.add(ASKED[0][1], max_tokens=MAX_TOKENS, prefix=load.prefixes[0])
+        assert batch.takes_route(replace(ROUTED, hint_cells=(70,)))
+        assert batch.can_take(8, MAX_TOKENS, replace(ROUTED, hint_cells=(70,)))
+        for other in (replace(ROUTED, top_k=3), replace(ROUTED, pin=2), FULL):
+            assert not batch.takes_route(other) and not batch.can_take(8, MAX_TOKENS, other)
+    finally:
+        batch.close()
 
 
 def test_plan_keeps_what_fits_the_kv_limit(shelf):

@@ -241,7 +241,7 @@ def serve_text(reports: list[dict]) -> str:
         versus = ", ".join(f"{n}: {rate[n] / full[str(n)]['decode_tok_s']:.2f}" for n in sorted(rate) if str(n) in full)
         most = row[str(max(rate))]
         cut = most["bytes_dense"] / most["bytes_read"] if most["bytes_read"] else 0
-        lines.append(f"| {by_mode['n_tokens']:,} | {route_label(mode, report['routes'][mode])} | " + " | ".join(cells)
+        lines.append(f"| {_context(report, by_mode)} | {route_label(mode, report['routes'][mode])} | " + " | ".join(cells)
                      + f" | {rate[max(rate)] / rate[min(rate)]:.2f}x | {(versus if mode != 'full' else '') or '–'} "
                        f"| {cut:.1f}x |")
     lines.append(f"\nprobes alone and {BUSY_ASKERS} at a time; time to first token idle and beside "
@@ -254,10 +254,15 @@ def serve_text(reports: list[dict]) -> str:
         n = len(r["probes"])
         idle = statistics.median(r["ttft_idle_s"])
         alone, both = (_correct([p[key] for p in r["probes"]]) for key in ("score_alone", "score_together"))
-        lines.append(f"| {by_mode['n_tokens']:,} | {route_label(mode, report['routes'][mode])} | {r['same_text']}/{n} "
+        lines.append(f"| {_context(report, by_mode)} | {route_label(mode, report['routes'][mode])} | {r['same_text']}/{n} "
                      f"| {alone} | {both} | {idle:.2f} | {r['ttft_busy_s']:.2f} (beside {r['busy_beside']}) "
                      f"| {r['ttft_busy_s'] / idle:.2f}x |")
     return "\n".join(lines)
+
+
+def _context(report: dict, by_mode: dict) -> str:
+    """A table's context cell: the document's tokens, and "each" where every asker had its own."""
+    return f"{by_mode['n_tokens']:,}" + (" each" if report.get("documents") == "each" else "")
 
 
 def _correct(scores: list[float]) -> str:
