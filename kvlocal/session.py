@@ -209,6 +209,7 @@ class Session:
         # a shelf's prefixes by sequence (open_shelf); empty: the session holds one prefix, in sequence 0
         self.shelf: dict[int, Prefix] = {}
         self._homes = 1  # sequences that hold prefixes; the answers decoded together take the next ones
+        self.shelf_places = 0  # the open shelf's places, loaded or not (open_shelf); 0: no shelf
         self._lock = threading.Lock()
 
     # the current prefix's facts, as the session's own (a set's cells need not follow positions)
@@ -425,7 +426,7 @@ class Session:
         self.unload()
         self.parts = self.prompt_parts()
         self.centroid_type = self.centroid_type_for(1)
-        self._homes = n_prefixes
+        self._homes = self.shelf_places = n_prefixes
         self.context = self._open_context(n_ctx=n_ctx)
         if self.state_rewinds or self.context.n_swa > 0:
             self.unload()
@@ -859,6 +860,7 @@ class Session:
             self.prefix = Prefix()
             self.shelf = {}
             self._homes = 1
+            self.shelf_places = 0
 
     def close(self) -> None:
         self.context = None

@@ -14,6 +14,7 @@ characters, as a set's is). `load_shelf` loads them.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -23,7 +24,18 @@ from dataclasses import dataclass
 from kvlocal.docset import TOKENS_PER_DOCUMENT, estimate_tokens, kv_bytes_per_token
 from kvlocal.ingest import Document
 from kvlocal.route_settings import ANSWER_RESERVE
-from kvlocal.session import CTX_ROUND, Prefix, Session
+from kvlocal.session import CTX_ROUND, LoadResult, Prefix, Session
+
+
+@dataclass(frozen=True)
+class ShelfPlace:
+    """A document's place on an open shelf: its sequence and its run of cells, and its prompt's tokens."""
+
+    seq: int
+    document: Document
+    first_cell: int
+    run: int
+    n_tokens: int
 
 
 @dataclass(frozen=True)
@@ -58,27 +70,40 @@ def plan_shelf(session: Session, documents: Sequence[Document], max_kv: int | No
     return chosen, notes
 
 
-def load_shelf(session: Session, documents: Sequence[Document], *, region: int,
-               cancel: threading.Event | None = None, log: Callable[[str], None] | None = None) -> ShelfLoad:
-    """Open a shelf in `session` and load `documents` onto it, each on its own run of whole regions of
-    `region` cells (of every region size that divides CTX_ROUND or `region`). What is loaded stays
-    loaded if a later document fails or `cancel` is set (CancelledError); each prefilled document's
-    state is saved as it finishes."""
-    start = time.perf_counter()
+def open_shelf(session: Session, documents: Sequence[Document], *, region: int) -> tuple[ShelfPlace, ...]:
+    """Open a shelf in `session` with a place for each of `documents` (its own sequence and run of whole
+    regions of `region` cells, of every region size that divides CTX_ROUND or `region`), and the
+    answers' room after them; nothing is loaded yet (load_onto)."""
     unit = math.lcm(CTX_ROUND, region)
     prompts = [session.tokenize_prompt(session.prompt_parts(doc.text).prefix_segments(), bos=True) for doc in documents]
     runs = [max(unit, -(-len(tokens) // unit) * unit) for tokens in prompts]
     n_ctx = -(-(sum(runs) + session.answers * ANSWER_RESERVE) // CTX_ROUND) * CTX_ROUND
     session.open_shelf(n_ctx, len(documents))
-    first, hits = 0, 0
-    for seq, (doc, run) in enumerate(zip(documents, runs)):
-        result = session.load_document(doc.text, label=doc.source, pages=getattr(doc, "pages", ()), cancel=cancel,
-                                       home=(seq, first, run))
-        hits += result.cache_hit
-        if log is not None:
-            how = "from the cache" if result.cache_hit else "prefilled"
-            log(f"shelf {seq + 1}/{len(documents)}: {doc.source}, {result.n_tokens:,} tokens {how} in "
-                f"{result.seconds:.1f} s (cells {first:,}-{first + run:,})")
-        first += run
-    return ShelfLoad(tuple(session.shelf[seq] for seq in range(len(documents))), n_ctx,
-                     sum(len(t) for t in prompts), hits, time.perf_counter() - start)
+    firsts = itertools.accumulate(runs, initial=0)
+    return tuple(ShelfPlace(seq, doc, first, run, len(tokens))
+                 for seq, (doc, first, run, tokens) in enumerate(zip(documents, firsts, runs, prompts)))
+
+
+def load_onto(session: Session, place: ShelfPlace, *, cancel: threading.Event | None = None,
+              log: Callable[[str], None] | None = None) -> LoadResult:
+    """Load `place`'s document into its place of the session's shelf: its state from the cache, or
+    prefilled (CancelledError when `cancel` is set between two ubatches; nothing is kept) and saved."""
+    doc = place.document
+    result = session.load_document(doc.text, label=doc.source, pages=getattr(doc, "pages", ()), cancel=cancel,
+                                   home=(place.seq, place.first_cell, place.run))
+    if log is not None:
+        how = "from the cache" if result.cache_hit else "prefilled"
+        log(f"shelf {place.seq + 1}/{session.shelf_places}: {doc.source}, {result.n_tokens:,} tokens {how} in "
+            f"{result.seconds:.1f} s (cells {place.first_cell:,}-{place.first_cell + place.run:,})")
+    return result
+
+
+def load_shelf(session: Session, documents: Sequence[Document], *, region: int,
+               cancel: threading.Event | None = None, log: Callable[[str], None] | None = None) -> ShelfLoad:
+    """Open a shelf in `session` and load every one of `documents` onto it (open_shelf, load_onto).
+    What is loaded stays loaded if a later document fails or `cancel` is set (CancelledError)."""
+    start = time.perf_counter()
+    places = open_shelf(session, documents, region=region)
+    hits = sum(load_onto(session, place, cancel=cancel, log=log).cache_hit for place in places)
+    return ShelfLoad(tuple(session.shelf[place.seq] for place in places), session.context.n_ctx,
+                     sum(place.n_tokens for place in places), hits, time.perf_counter() - start)

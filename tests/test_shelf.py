@@ -9,6 +9,7 @@ ones together."""
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -169,6 +170,35 @@ def test_an_answer_whose_route_sets_the_engine_otherwise_waits(shelf):
         batch.close()
 
 
+def test_a_worker_loads_the_asked_document_first_and_the_rest_while_idle(tiny_model, cache_dir):
+    """A job about a shelf document not loaded yet waits for that document only; the others load one
+    at a time as idle work, which ends once the server stops."""
+    from kvlocal.routing import DEFAULT_ROUTE
+    from kvlocal.serve.scheduler import Job, Worker
+
+    lines: list[str] = []
+    session = Session(str(tiny_model), threads=2, answers=2)
+    try:
+        worker = Worker(session, max_kv=None, log=lines.append, audit=False, route=DEFAULT_ROUTE, shelf=tuple(DOCS))
+        assert not worker.shelf_ready
+        records = []
+        loop = asyncio.new_event_loop()
+        worker.run_batch(Job([DOCS[2]], "which word follows charlie7?", 4, loop=loop), lambda can_join: [],
+                         lambda job, record: records.append(record))
+        loop.close()
+        assert [r.outcome for r in records] == ["done"]
+        assert [p.label for p in session.shelf.values()] == ["charlie.txt"] and session.shelf_places == 3
+        assert worker.load_next() and len(session.shelf) == 2 and not worker.shelf_ready
+        worker.cancel_loads.set()  # the server stops
+        assert not worker.load_next() and len(session.shelf) == 2
+        worker.cancel_loads.clear()
+        assert worker.load_next() and worker.shelf_ready and not worker.load_next()
+        assert [p.label for p in sorted(session.shelf.values(), key=lambda p: p.seq)] == [d.source for d in DOCS]
+        assert any(line.startswith("shelf ready: 3 of 3 documents") for line in lines)
+    finally:
+        session.close()
+
+
 def test_plan_keeps_what_fits_the_kv_limit(shelf):
     session, _ = shelf
     chosen, notes = plan_shelf(session, DOCS, None)
@@ -192,6 +222,9 @@ def test_a_server_decodes_requests_about_different_named_documents_together(tiny
     sources = [tmp_path / doc.source for doc in DOCS]
     with serving(tiny_model, sources, answers=3) as running, ThreadPoolExecutor(3) as pool:
         assert running.scheduler.worker.shelf_documents
+        # the server loads its shelf once started, before any request
+        assert running.scheduler.wait_for(lambda s: s.worker.shelf_ready, 120)
+        assert running.scheduler.worker.session.shelf_places == 3 and len(running.scheduler.worker.session.shelf) == 3
         running.scheduler.hold()
         futures = []
         for i, (d, q) in enumerate(asked):

@@ -7,8 +7,9 @@ free loopback port, and asks it with plain HTTP clients in threads, streaming se
 - the document (a planted-facts haystack of the length) is sent as a base64 `file` content part;
   a first request loads it (its prefill, or its cached state), so later requests time decoding only;
   with `--documents each`, every asker has a document of its own (haystacks of the length, one per
-  seed), named when the server starts and kept side by side on its shelf (kvlocal.shelf), each
-  request naming its own; the probes are spread over the first BUSY_ASKERS documents;
+  seed), named when the server starts and kept side by side on its shelf (kvlocal.shelf), which the
+  server loads once started; each request names its own; the probes are spread over the first
+  BUSY_ASKERS documents;
 - every probe alone: its answer text and its time to first token (idle);
 - N askers at once, for each N of --askers: N long-form requests held at the scheduler until all
   are queued, then released, so they join one batch before its first step. Aggregate decode tok/s
@@ -38,6 +39,7 @@ from kvlocal.evals.intervals import wilson_interval
 from kvlocal.evals.tasks import Case, score
 
 BUSY_ASKERS = 4  # the answers decoding while a probe is timed, and the probes asked at once
+SHELF_WAIT_S = 6 * 3600  # the longest wait for a shelf's documents to load (prefill on 2 cores)
 LONG_PROMPT = ("Write a long, detailed account of the document, part by part, starting with part {n}. "
                "Do not stop early.")
 
@@ -145,8 +147,11 @@ def bench_route(state, port: int, docs: list[dict | str], cases: list[Case], ask
     probe_tokens = 24
     workers = max(max(askers), BUSY_ASKERS) + 1
     with ThreadPoolExecutor(workers) as pool:
+        started = time.perf_counter()
+        if each and not state.scheduler.wait_for(lambda s: s.worker.shelf_ready, SHELF_WAIT_S):
+            raise RuntimeError(f"the server's shelf was not loaded in {SHELF_WAIT_S} s")
         loaded = stream(port, request(docs[0], cases[0].probes[0].question, 1))
-        log(f"  document{'s' * each} ready in {loaded.first - loaded.sent:.1f} s")
+        log(f"  document{'s' * each} ready in {loaded.first - started:.1f} s")
         alone = [stream(port, request(doc, p.question, probe_tokens)) for doc, p in probes]
         rates = {}
         for n in askers:

@@ -14,8 +14,9 @@ With `answers` > 1 (`kvlocal serve --batch N`) the worker decodes up to that man
 loaded (each reads its question and joins), and a job that asks other documents waits until the
 batch has drained. Given a shelf (the documents the server was started with, kvlocal.shelf), the
 worker keeps them side by side in one context, so that a job about any one of them joins the batch
-whichever of them the others ask; a job about anything else (a set, an attached file) is answered
-as before, the shelf loaded again (from the cache) for the next job about one of its documents.
+whichever of them the others ask. It loads them while no job waits, one at a time from the start (a
+job about one not loaded yet loads it first); a job about anything else (a set, an attached file) is
+answered as before, and the shelf is loaded again (from the cache) once the queue is empty.
 Admission, queueing, cancellation and the events a request reads are per job and the same either way.
 """
 
@@ -26,6 +27,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,7 +42,7 @@ from kvlocal.library import check_set_fits, load_set
 from kvlocal.routing import DEFAULT_ROUTE, ReadStats, RouteConfig
 from kvlocal.serve.schemas import ApiError, api_error, usage
 from kvlocal.session import Prefix, Session
-from kvlocal.shelf import load_shelf
+from kvlocal.shelf import ShelfPlace, load_onto, open_shelf
 from kvlocal.units import human_bytes
 
 _ids = itertools.count(1)
@@ -156,11 +158,12 @@ class Scheduler:
         """Admit no further job and cancel the running one (the first step of stopping)."""
         with self._changed:
             self._stopping = True
+            self.worker.cancel_loads.set()
             for job in self.running.values():
                 job.cancel.set()
 
     def _run(self) -> None:
-        while (job := self._later.popleft() if self._later else self._jobs.get()) is not None:
+        while (job := self._next_job()) is not None:
             self._open.wait()
             if not self._take(job):
                 continue
@@ -168,6 +171,21 @@ class Scheduler:
                 self.worker.run_batch(job, self._joining, self._finished)
             else:
                 self._finished(job, self.worker.run(job))
+
+    def _next_job(self) -> Job | None:
+        """The next job: one put aside while a batch ran, else the queue's. While the queue is empty the
+        worker loads the shelf's documents, one at a time (a job that comes meanwhile waits for the
+        document being loaded, not for the rest)."""
+        if self._later:
+            return self._later.popleft()
+        while True:
+            try:
+                return self._jobs.get_nowait()
+            except queue.Empty:
+                if not self.worker.load_next():
+                    return self._jobs.get()
+                with self._changed:
+                    self._changed.notify_all()
 
     def _take(self, job: Job) -> bool:
         """Count `job` as running, or answer it at once if it was cancelled or the server is stopping."""
@@ -226,7 +244,67 @@ class Worker:
         self._loaded: tuple | None = None  # the documents the session holds (by text and name)
         self.shelf_documents = shelf
         self._shelf_keys = {self._key_of((doc,)) for doc in shelf}
-        self._shelf: dict[tuple, Prefix] | None = None  # the loaded shelf's prefixes by job key
+        self._places: dict[tuple, ShelfPlace] | None = None  # the open shelf's places by job key; None: not open
+        self._shelf: dict[tuple, Prefix] = {}  # the loaded ones' prefixes
+        self._unloadable: set[tuple] = set()  # places whose idle load failed (a job naming one tries again)
+        self._shelf_started = 0.0
+        self.cancel_loads = threading.Event()  # set when the server stops: an idle load ends between ubatches
+
+    @property
+    def shelf_ready(self) -> bool:
+        """Whether the shelf has nothing left to load (every document loaded, or its idle load failed);
+        True without a shelf."""
+        return not self.shelf_documents or (self._places is not None and not self._to_load())
+
+    def _to_load(self) -> list[tuple]:
+        return [key for key in self._places if key not in self._shelf and key not in self._unloadable]
+
+    def load_next(self) -> bool:
+        """The worker's idle work: open the shelf, or load its next document not loaded yet (from the
+        cache, or prefilled and saved). False when there is nothing to load or the server stops."""
+        if self.shelf_ready or self.cancel_loads.is_set():
+            return False
+        try:
+            if self._places is None:
+                self._open_shelf()
+                return True
+            key = self._to_load()[0]
+            try:
+                self._load_place(key, self.cancel_loads, "shelf")
+            except CancelledError:
+                return False
+            except Exception as err:  # noqa: BLE001 - the server goes on without it
+                self._unloadable.add(key)
+                self.log(f"shelf: {self._places[key].document.source} not loaded: {err}")
+        except Exception as err:  # noqa: BLE001 - the shelf could not be opened: documents load per job
+            self.log(f"shelf: not opened: {type(err).__name__}: {err}")
+            self._forget()
+            self.shelf_documents, self._shelf_keys = (), set()
+            return False
+        return True
+
+    def _open_shelf(self) -> None:
+        """Open the shelf with a place for each of its documents, none loaded (kvlocal.shelf.open_shelf)."""
+        self._forget()
+        self._shelf_started = time.perf_counter()
+        places = open_shelf(self.session, self.shelf_documents, region=self.session.route_for(self.route).region)
+        self._places = {self._key_of((place.document,)): place for place in places}
+
+    def _load_place(self, key: tuple, cancel: threading.Event | None, who: str) -> None:
+        place = self._places[key]
+        load_onto(self.session, place, cancel=cancel, log=lambda text: self.log(f"{who}: {text}"))
+        self._shelf[key] = self.session.shelf[place.seq]
+        self._unloadable.discard(key)
+        if self.shelf_ready:
+            n_tokens = sum(self._places[k].n_tokens for k in self._shelf)
+            self.log(f"shelf ready: {len(self._shelf)} of {len(self._places)} documents, {n_tokens:,} tokens in "
+                     f"{self.session.context.n_ctx:,} cells, {time.perf_counter() - self._shelf_started:.1f} s "
+                     "after it opened")
+
+    def _forget(self) -> None:
+        """The worker knows of nothing the session holds (other documents replace the shelf, or a
+        failure left the session's state unknown)."""
+        self._loaded, self._places, self._shelf, self._unloadable = None, None, {}, set()
 
     def run(self, job: Job) -> JobRecord:
         try:
@@ -246,7 +324,7 @@ class Worker:
             self.log(f"{job.id}: {err}")
             job.emit("error", api_error(err))
         else:
-            self._loaded = self._shelf = None
+            self._forget()
             self.log(f"{job.id}: internal error: {type(err).__name__}: {err}")
             job.emit("error", ApiError(500, f"internal error: {type(err).__name__}", code="internal_error"))
         return JobRecord(job.id, labels, "error")
@@ -261,12 +339,12 @@ class Worker:
         except Exception as err:  # noqa: BLE001 - a request must not take the worker down
             finished(first, self._failed(first, err))
             return
-        key, shelf = self._loaded, self._shelf
+        key, shelf_open = self._loaded, self._places is not None
         answering: dict[int, tuple[Job, DocumentReads, Prefix | None]] = {}  # handle -> job, its reads, its prefix
         beside: dict[int, int] = {}  # handle -> the most other answers decoded with one of its steps
 
-        def prefix_of(job: Job) -> Prefix | None:
-            return shelf.get(self._key(job)) if shelf else None
+        def prefix_of(job: Job) -> Prefix | None:  # a loaded shelf document's (none loads during a batch)
+            return self._shelf.get(self._key(job)) if shelf_open else None
 
         def join(job: Job) -> None:
             prefix = prefix_of(job)
@@ -281,7 +359,7 @@ class Worker:
 
         def can_join(job: Job) -> bool:
             prefix = prefix_of(job)
-            if prefix is None and (shelf or self._key(job) != key):
+            if prefix is None and (shelf_open or self._key(job) != key):
                 return False
             return batch.can_take(len(batch.question_tokens(job.question)), job.max_tokens,
                                   batch.route_of(job.question, prefix))
@@ -305,7 +383,7 @@ class Worker:
         except Exception as err:  # noqa: BLE001
             for job, _, _ in answering.values():
                 finished(job, self._failed(job, err))
-            self._loaded = self._shelf = None
+            self._forget()
         finally:
             batch.close()
 
@@ -321,12 +399,14 @@ class Worker:
         document of the shelf, the shelf)."""
         key = self._key(job)
         if key in self._shelf_keys:
-            if self._shelf is None:
-                self._load_shelf(job)
+            if self._places is None:
+                self._open_shelf()
+            if key not in self._shelf:
+                self._load_place(key, job.cancel, job.id)
             return
         if key == self._loaded:
             return
-        self._loaded = self._shelf = None
+        self._forget()
         session = self.session
         if len(job.documents) > 1:
             check_set_fits(session, job.documents, self.max_kv)
@@ -335,16 +415,6 @@ class Worker:
         self.log(f"{job.id}: {len(job.documents)} document(s), {load.n_tokens:,} tokens ready in {load.seconds:.1f} s "
                  f"({hits} from the cache)")
         self._loaded = key
-
-    def _load_shelf(self, job: Job) -> None:
-        """Load the shelf (its documents' states from the cache, or prefilled and saved)."""
-        self._loaded = self._shelf = None
-        session = self.session
-        load = load_shelf(session, self.shelf_documents, region=session.route_for(self.route).region,
-                          cancel=job.cancel, log=lambda text: self.log(f"{job.id}: {text}"))
-        self._shelf = {self._key_of((doc,)): prefix for doc, prefix in zip(self.shelf_documents, load.prefixes)}
-        self.log(f"{job.id}: a shelf of {len(load.prefixes)} documents, {load.n_tokens:,} tokens in "
-                 f"{load.n_ctx:,} cells, ready in {load.seconds:.1f} s ({load.cache_hits} from the cache)")
 
     def _answer(self, job: Job) -> JobRecord:
         session = self.session
