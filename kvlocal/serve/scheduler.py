@@ -270,7 +270,7 @@ class Worker:
                 return True
             key = self._to_load()[0]
             try:
-                self._load_place(key, self.cancel_loads, "shelf")
+                self._load_place(key, self.cancel_loads, None)
             except CancelledError:
                 return False
             except Exception as err:  # noqa: BLE001 - the server goes on without it
@@ -290,9 +290,10 @@ class Worker:
         places = open_shelf(self.session, self.shelf_documents, region=self.session.route_for(self.route).region)
         self._places = {self._key_of((place.document,)): place for place in places}
 
-    def _load_place(self, key: tuple, cancel: threading.Event | None, who: str) -> None:
+    def _load_place(self, key: tuple, cancel: threading.Event | None, job_id: str | None) -> None:
+        """Load the shelf's place `key` (for job `job_id`, or None: as idle work)."""
         place = self._places[key]
-        load_onto(self.session, place, cancel=cancel, log=lambda text: self.log(f"{who}: {text}"))
+        load_onto(self.session, place, cancel=cancel, log=lambda text: self.log(f"{job_id}: {text}" if job_id else text))
         self._shelf[key] = self.session.shelf[place.seq]
         self._unloadable.discard(key)
         if self.shelf_ready:
