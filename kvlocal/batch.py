@@ -185,6 +185,12 @@ class AnswerBatch:
             summary.add(own)
         return own
 
+    def resume(self) -> None:
+        """Set the engine's route to the open answers' again, after other work used the context between
+        two steps (a shelf document's prefill ubatch: Session.load_document's `between`)."""
+        if self.open:
+            self.context.apply_route(next(iter(self.open.values())).route)
+
     def step(self) -> list[Step]:
         """One token of every open answer, decoded in one batch. An answer that ends (its end token,
         a stop, its most tokens, or its `cancel` set) comes back with its summary and leaves the batch."""

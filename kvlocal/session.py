@@ -210,6 +210,7 @@ class Session:
         self.shelf: dict[int, Prefix] = {}
         self._homes = 1  # sequences that hold prefixes; the answers decoded together take the next ones
         self.shelf_places = 0  # the open shelf's places, loaded or not (open_shelf); 0: no shelf
+        self._shelf_cells = 0  # the cells they take, from the first (the answers' cells follow)
         self._lock = threading.Lock()
 
     # the current prefix's facts, as the session's own (a set's cells need not follow positions)
@@ -262,8 +263,8 @@ class Session:
     @property
     def resident_cells(self) -> int:
         """The cells the prefixes take at the front of the context: the answers' cells follow them."""
-        if self.shelf:
-            return max(p.first_cell + p.run for p in self.shelf.values())
+        if self.shelf_places:
+            return self._shelf_cells
         return self.prefix_cells
 
     def tokenize(self, text: str, *, bos: bool, special: bool = False) -> list[int]:
@@ -354,15 +355,20 @@ class Session:
         use_cache: bool = True,
         prefill: PrefillConfig | None = None,
         home: tuple[int, int, int] | None = None,
+        between: Callable[[], None] | None = None,
     ) -> LoadResult:
         """Prefill the document (or restore its saved state). Ctrl-C / cancel leaves nothing behind.
         `pages`: where each page starts in `text` (a PDF's), for the layout's span. `prefill` says how
         its ubatches read the cache (dense by default); a routed prefill's state is saved and found
         under its own key. `home`: (sequence, first cell, cells) of the shelf (open_shelf) it goes to,
-        beside the shelf's other documents; without it, it replaces what the session holds."""
+        beside the shelf's other documents; without it, it replaces what the session holds. `between`
+        (with `home`): work run between two ubatches of its prefill (a server's decode steps of the
+        other sequences); the prefill sets its route again after it."""
         prefill = prefill or PrefillConfig()
         if home is not None:
-            return self._load_home(text, label, pages, progress, cancel, use_cache, prefill, home)
+            return self._load_home(text, label, pages, progress, cancel, use_cache, prefill, home, between)
+        if between is not None:
+            raise UsageError("only a shelf's document is prefilled between other work (home=...)")
         self.parts = self.prompt_parts(text)
         tokens = self.tokenize_prompt(self.parts.prefix_segments(), bos=True)
         n_ctx = self.choose_ctx(len(tokens))
@@ -384,12 +390,14 @@ class Session:
 
     def _load_home(self, text: str, label: str, pages: Sequence[int],
                    progress: Callable[[PrefillProgress], None] | None, cancel: threading.Event | None,
-                   use_cache: bool, prefill: PrefillConfig, home: tuple[int, int, int]) -> LoadResult:
+                   use_cache: bool, prefill: PrefillConfig, home: tuple[int, int, int],
+                   between: Callable[[], None] | None = None) -> LoadResult:
         """load_document into sequence `home[0]` of the shelf, in cells [home[1], home[1] + home[2]):
         the same tokens, state key and saved state as the document loaded alone."""
         seq, first, run = home
-        if self.context is None or seq not in range(self._homes) or seq in self.shelf:
-            raise UsageError(f"sequence {seq} is not a free place of the shelf (open_shelf first)")
+        if self.context is None or seq not in range(self._homes) or seq in self.shelf or first + run > self._shelf_cells:
+            raise UsageError(f"sequence {seq} at cells {first:,}-{first + run:,} is not a free place of the shelf "
+                             "(open_shelf first)")
         tokens = self.tokenize_prompt(self.prompt_parts(text).prefix_segments(), bos=True)
         if len(tokens) > run:
             raise ContextOverflowError(f"the document is {len(tokens):,} tokens; its place on the shelf holds {run:,}")
@@ -402,7 +410,8 @@ class Session:
         self.context.keep_cells(seq, first, first + run)
         key = self.state_key(text, self.state_ctx(len(tokens)), tag)
         try:
-            result = self._load_prefix(tokens, key, self.context.n_ctx, label, progress, cancel, use_cache, prefill)
+            result = self._load_prefix(tokens, key, self.context.n_ctx, label, progress, cancel, use_cache, prefill,
+                                       between)
         except BaseException:
             self.context.keep_cells(seq)
             self.prefix = Prefix()
@@ -414,19 +423,23 @@ class Session:
         self.shelf[seq] = self.prefix
         return replace(result, n_ctx=self.context.n_ctx)
 
-    def open_shelf(self, n_ctx: int, n_prefixes: int) -> None:
+    def open_shelf(self, n_ctx: int, n_prefixes: int, prefix_cells: int) -> None:
         """Drop what is loaded, its context included, and open a context of `n_ctx` cells for a shelf of
-        `n_prefixes` documents side by side (each its own sequence; load_document(home=...) fills
-        them) and the session's answers decoded together. UsageError for a model whose memory cannot be
+        `n_prefixes` documents side by side in its first `prefix_cells` cells (each its own sequence
+        and run of them; load_document(home=...) fills them) and the session's answers decoded
+        together after them, whichever of the documents are loaded. UsageError for a model whose memory cannot be
         laid out so (recurrent state or sliding-window layers) or a session of one answer."""
         if self.answers < 2:
             raise UsageError("a shelf serves answers decoded together (Session(answers=N), N > 1)")
         if not 1 <= n_prefixes <= MAX_ANSWERS:
             raise UsageError(f"a shelf holds between 1 and {MAX_ANSWERS} documents (got {n_prefixes})")
+        if not 0 < prefix_cells < n_ctx:
+            raise UsageError(f"a shelf's documents take between 1 and {n_ctx - 1:,} of its cells (got {prefix_cells:,})")
         self.unload()
         self.parts = self.prompt_parts()
         self.centroid_type = self.centroid_type_for(1)
         self._homes = self.shelf_places = n_prefixes
+        self._shelf_cells = prefix_cells
         self.context = self._open_context(n_ctx=n_ctx)
         if self.state_rewinds or self.context.n_swa > 0:
             self.unload()
@@ -451,8 +464,9 @@ class Session:
 
     def _load_prefix(self, tokens: list[int], key: kvstate.StateKey, n_ctx: int, label: str,
                      progress: Callable[[PrefillProgress], None] | None, cancel: threading.Event | None,
-                     use_cache: bool, prefill: PrefillConfig) -> LoadResult:
-        """Restore the prompt prefix `tokens` from the state saved under `key`, or prefill it (and save it)."""
+                     use_cache: bool, prefill: PrefillConfig, between: Callable[[], None] | None = None) -> LoadResult:
+        """Restore the prompt prefix `tokens` from the state saved under `key`, or prefill it (and save
+        it; `between`: see load_document)."""
         start = time.perf_counter()
         rebuilt = None
         if use_cache:
@@ -468,7 +482,7 @@ class Session:
                     self._keep_prefix_state(state)
                     return LoadResult(len(tokens), n_ctx, True, time.perf_counter() - start, prefill=prefill)
                 rebuilt = kvstate.discard_noting(key, "saved state did not match the document tokens or engine; rebuilt")
-        reads = self._prefill(tokens, progress, cancel, prefill)
+        reads = self._prefill(tokens, progress, cancel, prefill, between)
         state = self._compact_swa_cache()
         seconds = time.perf_counter() - start
         if use_cache:
@@ -487,6 +501,7 @@ class Session:
         progress: Callable[[PrefillProgress], None] | None,
         cancel: threading.Event | None,
         prefill: PrefillConfig,
+        between: Callable[[], None] | None = None,
     ) -> PrefillReads:
         context = self.context
         self._clear_kv()
@@ -517,6 +532,9 @@ class Session:
                 elapsed = clock.mark(end)
                 if progress:
                     progress(PrefillProgress(end, len(tokens), elapsed, prefill.mode, clock.eta(len(tokens))))
+                if between is not None and end < len(tokens):
+                    between()  # other sequences' work, under their own route
+                    context.apply_route(routed if routing else dense, batch_top_k=prefill.top_k if routing else 0)
         except KeyboardInterrupt:
             self._clear_kv()
             raise CancelledError("interrupted: the document was not loaded and nothing was saved") from None
@@ -860,7 +878,7 @@ class Session:
             self.prefix = Prefix()
             self.shelf = {}
             self._homes = 1
-            self.shelf_places = 0
+            self.shelf_places = self._shelf_cells = 0
 
     def close(self) -> None:
         self.context = None

@@ -78,19 +78,20 @@ def open_shelf(session: Session, documents: Sequence[Document], *, region: int) 
     prompts = [session.tokenize_prompt(session.prompt_parts(doc.text).prefix_segments(), bos=True) for doc in documents]
     runs = [max(unit, -(-len(tokens) // unit) * unit) for tokens in prompts]
     n_ctx = -(-(sum(runs) + session.answers * ANSWER_RESERVE) // CTX_ROUND) * CTX_ROUND
-    session.open_shelf(n_ctx, len(documents))
+    session.open_shelf(n_ctx, len(documents), sum(runs))
     firsts = itertools.accumulate(runs, initial=0)
     return tuple(ShelfPlace(seq, doc, first, run, len(tokens))
                  for seq, (doc, first, run, tokens) in enumerate(zip(documents, firsts, runs, prompts)))
 
 
 def load_onto(session: Session, place: ShelfPlace, *, cancel: threading.Event | None = None,
-              log: Callable[[str], None] | None = None) -> LoadResult:
+              log: Callable[[str], None] | None = None, between: Callable[[], None] | None = None) -> LoadResult:
     """Load `place`'s document into its place of the session's shelf: its state from the cache, or
-    prefilled (CancelledError when `cancel` is set between two ubatches; nothing is kept) and saved."""
+    prefilled (CancelledError when `cancel` is set between two ubatches; nothing is kept) and saved.
+    `between`: work run between two of its prefill's ubatches (the other answers' decode steps)."""
     doc = place.document
     result = session.load_document(doc.text, label=doc.source, pages=getattr(doc, "pages", ()), cancel=cancel,
-                                   home=(place.seq, place.first_cell, place.run))
+                                   home=(place.seq, place.first_cell, place.run), between=between)
     if log is not None:
         how = "from the cache" if result.cache_hit else "prefilled"
         log(f"shelf {place.seq + 1}/{session.shelf_places}: {doc.source}, {result.n_tokens:,} tokens {how} in "

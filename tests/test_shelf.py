@@ -199,6 +199,59 @@ def test_a_worker_loads_the_asked_document_first_and_the_rest_while_idle(tiny_mo
         session.close()
 
 
+def done_answer(job, loop) -> tuple[str, int]:
+    """The text of the answer the worker sent `job` (its events, delivered on `loop`) and the KV rows
+    its steps read."""
+    loop.run_until_complete(asyncio.sleep(0))
+    events = [job.events.get_nowait() for _ in range(job.events.qsize())]
+    [result] = [value for kind, value in events if kind == "done"]
+    return result.text, result.reads["rows_read"]
+
+
+def test_a_document_is_prefilled_between_the_steps_of_answers_about_others(tiny_model, cache_dir):
+    """A request about a shelf document not loaded yet, taken while an answer about another decodes:
+    its document is prefilled between that answer's steps (ubatch by ubatch), and both answers are
+    the ones each gets decoded alone (text and rows read: the steps between keep their route)."""
+    from kvlocal.routing import DEFAULT_ROUTE
+    from kvlocal.serve.scheduler import Job, Worker
+
+    long_doc = Document(words("delta", 60), "delta.txt", "txt")
+    lines: list[str] = []
+    session = Session(str(tiny_model), threads=2, answers=2, n_batch=64)
+    loop = asyncio.new_event_loop()
+    try:
+        worker = Worker(session, max_kv=None, log=lines.append, audit=False, route=DEFAULT_ROUTE,
+                        shelf=(DOCS[0], long_doc))
+        assert worker.load_next() and worker.load_next() and not worker.shelf_ready  # alpha only
+
+        def asked():
+            return (Job([DOCS[0]], "Write every alpha sentence out.", 40, loop=loop),
+                    Job([long_doc], "what does delta9 hold?", 6, loop=loop))
+
+        first, later = asked()
+        handed: list = []
+
+        def joining(can_join):
+            if not handed and can_join(later):
+                handed.append(later)
+                return [later]
+            return []
+
+        worker.run_batch(first, joining, lambda job, record: None)
+        assert handed and worker.shelf_ready, lines
+        [line] = [line for line in lines if "decode steps of the other answers" in line]
+        assert int(line.split(": ")[1].split()[0]) >= 2, line
+        together = [done_answer(first, loop), done_answer(later, loop)]
+        alone = []
+        for job in asked():
+            worker.run_batch(job, lambda can_join: [], lambda job, record: None)
+            alone.append(done_answer(job, loop))
+        assert together == alone
+    finally:
+        loop.close()
+        session.close()
+
+
 def test_plan_keeps_what_fits_the_kv_limit(shelf):
     session, _ = shelf
     chosen, notes = plan_shelf(session, DOCS, None)

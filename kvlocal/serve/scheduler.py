@@ -14,9 +14,10 @@ With `answers` > 1 (`kvlocal serve --batch N`) the worker decodes up to that man
 loaded (each reads its question and joins), and a job that asks other documents waits until the
 batch has drained. Given a shelf (the documents the server was started with, kvlocal.shelf), the
 worker keeps them side by side in one context, so that a job about any one of them joins the batch
-whichever of them the others ask. It loads them while no job waits, one at a time from the start (a
-job about one not loaded yet loads it first); a job about anything else (a set, an attached file) is
-answered as before, and the shelf is loaded again (from the cache) once the queue is empty.
+whichever of them the others ask. It loads them while no job waits, one at a time from the start; a
+job about one not loaded yet has it prefilled between the steps of the answers under way, then joins
+them. A job about anything else (a set, an attached file) is answered as before, and the shelf is
+loaded again (from the cache) once the queue is empty.
 Admission, queueing, cancellation and the events a request reads are per job and the same either way.
 """
 
@@ -248,6 +249,7 @@ class Worker:
         self._shelf: dict[tuple, Prefix] = {}  # the loaded ones' prefixes
         self._unloadable: set[tuple] = set()  # places whose idle load failed (a job naming one tries again)
         self._shelf_started = 0.0
+        self.steps = 0  # decode steps of batches run so far
         self.cancel_loads = threading.Event()  # set when the server stops: an idle load ends between ubatches
 
     @property
@@ -290,10 +292,13 @@ class Worker:
         places = open_shelf(self.session, self.shelf_documents, region=self.session.route_for(self.route).region)
         self._places = {self._key_of((place.document,)): place for place in places}
 
-    def _load_place(self, key: tuple, cancel: threading.Event | None, job_id: str | None) -> None:
-        """Load the shelf's place `key` (for job `job_id`, or None: as idle work)."""
+    def _load_place(self, key: tuple, cancel: threading.Event | None, job_id: str | None,
+                    between: Callable[[], None] | None = None) -> None:
+        """Load the shelf's place `key` (for job `job_id`, or None: as idle work; `between`: the other
+        answers' steps, run between two ubatches of its prefill)."""
         place = self._places[key]
-        load_onto(self.session, place, cancel=cancel, log=lambda text: self.log(f"{job_id}: {text}" if job_id else text))
+        load_onto(self.session, place, cancel=cancel, between=between,
+                  log=lambda text: self.log(f"{job_id}: {text}" if job_id else text))
         self._shelf[key] = self.session.shelf[place.seq]
         self._unloadable.discard(key)
         if self.shelf_ready:
@@ -340,49 +345,13 @@ class Worker:
         except Exception as err:  # noqa: BLE001 - a request must not take the worker down
             finished(first, self._failed(first, err))
             return
-        key, shelf_open = self._loaded, self._places is not None
-        answering: dict[int, tuple[Job, DocumentReads, Prefix | None]] = {}  # handle -> job, its reads, its prefix
-        beside: dict[int, int] = {}  # handle -> the most other answers decoded with one of its steps
-
-        def prefix_of(job: Job) -> Prefix | None:  # a loaded shelf document's (none loads during a batch)
-            return self._shelf.get(self._key(job)) if shelf_open else None
-
-        def join(job: Job) -> None:
-            prefix = prefix_of(job)
-            try:
-                handle = batch.add(job.question, max_tokens=job.max_tokens, temperature=job.temperature,
-                                   seed=job.seed, want_regions=True, cancel=job.cancel, prefix=prefix)
-            except Exception as err:  # noqa: BLE001
-                finished(job, self._failed(job, err))
-                return
-            tally = DocumentReads(self.session.read_tally(prefix))
-            answering[handle], beside[handle] = (job, tally, prefix), 0
-
-        def can_join(job: Job) -> bool:
-            prefix = prefix_of(job)
-            if prefix is None and (shelf_open or self._key(job) != key):
-                return False
-            return batch.can_take(len(batch.question_tokens(job.question)), job.max_tokens,
-                                  batch.route_of(job.question, prefix))
-
-        join(first)
+        run = _BatchRun(self, batch, joining, finished)
+        run.join(first)
         try:
-            while batch.open:
-                for job in joining(can_join):
-                    join(job)
-                for handle in answering:
-                    beside[handle] = max(beside[handle], len(batch.open) - 1)
-                for step in batch.step():
-                    job, tally, prefix = answering[step.answer]
-                    if step.piece is not None:
-                        tally.add(step.piece.stats)
-                        if step.piece.text:
-                            job.emit("delta", step.piece.text)
-                    if step.summary is not None:
-                        del answering[step.answer]
-                        finished(job, self._close(job, step.summary, tally, beside[step.answer], prefix))
+            while batch.open or run.loaded_waiting:
+                run.advance()
         except Exception as err:  # noqa: BLE001
-            for job, _, _ in answering.values():
+            for job in [job for job, _, _ in run.answering.values()] + run.loaded_waiting:
                 finished(job, self._failed(job, err))
             self._forget()
         finally:
@@ -494,3 +463,103 @@ class DocumentReads:
                 "route": summary.route.mode, "answer_rows_read": self.rows_read, "documents": documents,
                 "template_rows": self.reads.head,
                 "question_answer_rows": self.reads.rest}
+
+
+class _BatchRun:
+    """One batch of a Worker (Worker.run_batch): the jobs it answers, those that join it between steps,
+    and a shelf document prefilled between its steps for a job that then joins."""
+
+    def __init__(self, worker: Worker, batch: AnswerBatch, joining: Callable[[Callable[[Job], bool]], list[Job]],
+                 finished: Callable[[Job, JobRecord], None]) -> None:
+        self.worker, self.batch, self.joining, self.finished = worker, batch, joining, finished
+        self.key, self.shelf_open = worker._loaded, worker._places is not None
+        self.answering: dict[int, tuple[Job, DocumentReads, Prefix | None]] = {}  # handle -> job, reads, prefix
+        self.beside: dict[int, int] = {}  # handle -> the most other answers decoded with one of its steps
+        self.loaded_waiting: list[Job] = []  # loaded between steps, waiting for a route like the open answers'
+        self.loading = False  # a shelf document is being prefilled between steps (one at a time)
+
+    def prefix_of(self, job: Job) -> Prefix | None:
+        """A loaded shelf document's prefix, for a job about one."""
+        return self.worker._shelf.get(self.worker._key(job)) if self.shelf_open else None
+
+    def to_load(self, job: Job) -> bool:
+        """Whether `job` is about a shelf document not loaded yet."""
+        places = self.worker._places
+        return places is not None and self.worker._key(job) in places and self.prefix_of(job) is None
+
+    def can_join(self, job: Job) -> bool:
+        batch = self.batch
+        n_question = len(batch.question_tokens(job.question))
+        if self.to_load(job):  # loads between the others' steps first, unless one loads already
+            return not self.loading and batch.can_take(n_question, job.max_tokens)
+        prefix = self.prefix_of(job)
+        if prefix is None and (self.shelf_open or self.worker._key(job) != self.key):
+            return False
+        return batch.can_take(n_question, job.max_tokens, batch.route_of(job.question, prefix))
+
+    def join(self, job: Job) -> None:
+        """Open `job`'s answer, its shelf document first prefilled between the others' steps."""
+        worker, batch = self.worker, self.batch
+        if self.to_load(job):
+            self.loading, steps_before = True, worker.steps
+            try:
+                worker._load_place(worker._key(job), job.cancel, job.id, between=self.share_time())
+            except Exception as err:  # noqa: BLE001
+                self.finished(job, worker._failed(job, err))
+                return
+            finally:
+                self.loading = False
+                batch.resume()
+            worker.log(f"{job.id}: {worker.steps - steps_before} decode steps of the other answers between "
+                       "its prefill's ubatches")
+            if batch.open and not batch.takes_route(batch.route_of(job.question, self.prefix_of(job))):
+                self.loaded_waiting.append(job)
+                return
+        prefix = self.prefix_of(job)
+        try:
+            handle = batch.add(job.question, max_tokens=job.max_tokens, temperature=job.temperature,
+                               seed=job.seed, want_regions=True, cancel=job.cancel, prefix=prefix)
+        except Exception as err:  # noqa: BLE001
+            self.finished(job, worker._failed(job, err))
+            return
+        self.answering[handle] = (job, DocumentReads(worker.session.read_tally(prefix)), prefix)
+        self.beside[handle] = 0
+
+    def share_time(self) -> Callable[[], None]:
+        """Work between two ubatches of a prefill: the open answers' steps, for as long as the ubatch
+        took (at least one), so that both go on at about half their speed."""
+        mark = time.perf_counter()
+
+        def between() -> None:
+            nonlocal mark
+            start = time.perf_counter()
+            ubatch_s = start - mark
+            self.advance()
+            while self.batch.open and time.perf_counter() - start < ubatch_s:
+                self.advance()
+            mark = time.perf_counter()
+        return between
+
+    def advance(self) -> None:
+        """Take the jobs that may join, then decode one step of every open answer."""
+        batch = self.batch
+        for job in [j for j in self.loaded_waiting if not batch.open or self.can_join(j)]:
+            self.loaded_waiting.remove(job)
+            self.join(job)
+        for job in self.joining(self.can_join):
+            self.join(job)
+        for handle in self.answering:
+            self.beside[handle] = max(self.beside[handle], len(batch.open) - 1)
+        if self.loading:
+            batch.resume()  # after a prefill ubatch, the open answers' route
+        if batch.open:
+            self.worker.steps += 1
+        for step in batch.step():
+            job, tally, prefix = self.answering[step.answer]
+            if step.piece is not None:
+                tally.add(step.piece.stats)
+                if step.piece.text:
+                    job.emit("delta", step.piece.text)
+            if step.summary is not None:
+                del self.answering[step.answer]
+                self.finished(job, self.worker._close(job, step.summary, tally, self.beside[step.answer], prefix))
