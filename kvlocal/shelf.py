@@ -9,7 +9,8 @@ document's cells only, so it reads that document alone.
 
 `plan_shelf` chooses, before anything loads, the documents that go on it: each within the model's
 trained context, and together, with the answers' room, within the KV limit (estimated from their
-characters, as a set's is). `load_shelf` loads them.
+characters, as a set's is). `open_shelf` gives each its place, `load_onto` loads one (the server:
+while idle, or between the decode steps of other answers), `load_shelf` opens and loads them all.
 """
 
 from __future__ import annotations
