@@ -543,3 +543,28 @@ def lab_hints(
     print(runs.hints_lab(session, out, size_list, length_list, seed_list, hints=hints, scopes=scopes, region=region,
                          sinks=sinks, filler=filler, haystack_name=str(haystack or ""), paraphrase=paraphrase,
                          log=lambda line: err(f"kvlocal: {line}")))
+
+
+@lab_app.command("copies")
+@handles_errors
+@option_groups
+def lab_copies(
+    lengths: LengthsOpt = "4k",
+    tasks: TasksOpt = "vt,niah_multivalue,niah_multikey_3,niah_multiquery",
+    seeds: SeedsOpt = "0",
+    out: OutOpt = Path("kvlocal-lab"),
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+    routing: RouteOptions = RouteOptions(),
+) -> None:
+    """Where a routed answer loses a value it copies, on RULER's samples (--tasks: RULER's names; --seeds: sample indices): at each answer step, the share of routed layers' KV heads that read the region holding the character to write next, and what the others read instead, before and at the first wrong character (kvlocal/lab/copies.py). Rows in OUT/copies.jsonl; a rerun answers only what no row holds for this route."""
+    from kvlocal.evals.ruler_runner import parse_tasks
+    from kvlocal.lab import copies
+
+    _check_out_folder(out, (copies.COPIES,))
+    task_list, length_list, seed_list = parse_tasks(tasks), parse_lengths(lengths), parse_seeds(seeds)
+    route = routing.config("geometric")
+    session = common.check_lengths_fit(common.open_session(model, None, threads, "f16", routing.centroid_block,
+                                                           routing.centroid_type), length_list)
+    rows = copies.run_copies(session, out, length_list, task_list, seed_list, route, _log)
+    print(copies.markdown(copies.summarize(rows)))
