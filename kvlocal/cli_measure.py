@@ -16,6 +16,7 @@ import typer
 from kvlocal import cli_common as common
 from kvlocal.cli_common import DefaultGroup, err, handles_errors
 from kvlocal.cli_options import (
+    AlsoOpt,
     ChunksOpt,
     ControlsOpt,
     DepthsOpt,
@@ -208,6 +209,7 @@ def eval_ruler(
     model: ModelOpt = None,
     max_tokens: MaxTokensOpt = None,
     threads: ThreadsOpt = None,
+    also: AlsoOpt = "",
     routing: RouteOptions = RouteOptions(),
 ) -> None:
     """RULER's 13 tasks (--tasks all or names; --seeds: sample indices), generated offline: per-task and average scores of every mode on the same prefilled samples (docs/experiments/ruler.md)."""
@@ -217,7 +219,8 @@ def eval_ruler(
     lengths_list = parse_lengths(lengths)
     eval_command(lengths_list, tasks, parse_seeds(seeds), modes, routing.config(DEFAULT_MODE), max_tokens, out,
                  lambda: common.check_lengths_fit(common.open_session(model, None, threads, "f16", routing.centroid_block,
-                                                                      routing.centroid_type), lengths_list), _log)
+                                                                      routing.centroid_type), lengths_list), _log,
+                 also)
 
 
 def _library_sizes(sizes: str, facts_per_doc: int) -> list[int]:

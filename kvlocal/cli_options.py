@@ -101,6 +101,10 @@ TasksOpt = Annotated[str, typer.Option("--tasks", help=(
     "qa_1, qa_2."))]
 SeedsOpt = Annotated[str, typer.Option("--seeds", help="Haystack seeds.")]
 ModesOpt = Annotated[str, typer.Option("--modes", help="Routing modes to compare.")]
+AlsoOpt = Annotated[str, typer.Option(
+    "--also", help="More geometric routes asked on the same prefilled samples: the route given with some settings "
+                   "changed, ';' between routes, ',' between settings (top-k, layer-top-k, keep, pin, hints, region, "
+                   "window, sinks, shortlist), e.g. 'keep=0;top-k=8,layer-top-k='.")]
 SweepOpt = Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")]
 PlotsOpt = Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots (needs matplotlib).")]
 TokensOpt = Annotated[int, typer.Option("--tokens", min=1, max=MAX_ANSWER_TOKENS, help="Answer tokens timed per run.")]

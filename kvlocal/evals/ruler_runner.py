@@ -34,6 +34,7 @@ class RulerConfig:
     modes: list[str] = field(default_factory=lambda: ["full", "geometric", "window", "random"])
     route: RouteConfig = field(default_factory=RouteConfig)  # every mode's settings (its mode unused)
     max_tokens: int | None = None  # None: RULER's tokens_to_generate for the task
+    also: list[RouteConfig] = field(default_factory=list)  # more geometric routes asked on the same prefills
 
 
 def prompt_overhead(session: Session) -> int:
@@ -66,6 +67,8 @@ def run_ruler(session: Session, config: RulerConfig, out: Path, log: Callable[[s
     """Ask every (length, task, sample, route) that no row of `out` holds; returns all rows (old and new)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     grid = GridConfig(modes=config.modes, route=session.route_for(config.route))  # rows record the budget read
+    routes = [*grid.routes(), *(next(GridConfig(modes=["geometric"], route=session.route_for(r)).routes())
+                                for r in config.also)]
     rows = load_rows(out)
     done = {row_key(r) for r in rows}
     configs = ruler.task_configs()
@@ -73,7 +76,7 @@ def run_ruler(session: Session, config: RulerConfig, out: Path, log: Callable[[s
     for length in config.lengths:
         for task in config.tasks:
             max_tokens = config.max_tokens or configs[task]["tokens_to_generate"]
-            todo = [(i, route) for i in config.samples for route in grid.routes()
+            todo = [(i, route) for i in config.samples for route in routes
                     if _key(length, task, ruler.RULER_SEED, i, route, "", session, max_tokens, "dense") not in done]
             if not todo:
                 continue
@@ -133,15 +136,44 @@ def parse_tasks(text: str) -> list[str]:
     return names
 
 
+ALSO_SETTINGS = {"top-k": ("top_k", int), "layer-top-k": ("layer_top_k", str), "keep": ("keep", float),
+                 "pin": ("pin", int), "hints": ("hints", int), "region": ("region", int), "window": ("window", int),
+                 "sinks": ("sinks", int), "shortlist": ("shortlist", int)}
+
+
+def parse_also(text: str, route: RouteConfig) -> list[RouteConfig]:
+    """--also: geometric routes beside the modes, ';' between routes, each the given route with some
+    settings changed ('keep=0;top-k=8,layer-top-k=' : the default route without its selection memory,
+    and eight regions in every layer)."""
+    routes = []
+    for spec in filter(None, (part.strip() for part in text.split(";"))):
+        changes = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or name.strip() not in ALSO_SETTINGS:
+                raise UsageError(f"--also: {item!r}; give SETTING=VALUE with a setting of "
+                                 f"{', '.join(ALSO_SETTINGS)} (';' between routes, ',' between settings)")
+            field_name, kind = ALSO_SETTINGS[name.strip()]
+            try:
+                changes[field_name] = kind(value.strip())
+            except ValueError:
+                raise UsageError(f"--also: {item!r} is not a {kind.__name__}") from None
+        try:
+            routes.append(replace(route, mode="geometric", **changes))
+        except (UsageError, ValueError) as e:  # RouteConfig's own checks
+            raise UsageError(f"--also: {spec!r}: {e.args[0] if e.args else e}") from None
+    return routes
+
+
 def eval_command(lengths: list[int], tasks: str, samples: list[int], modes: str, route: RouteConfig,
                  max_tokens: int | None, out: Path, open_session: Callable[[], Session],
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], also: str = "") -> None:
     """`kvlocal eval ruler`: checks, runs, writes the rows and prints the table (`open_session` checks
     the lengths against the model's trained context)."""
     from kvlocal.evals import report
 
     config = RulerConfig(lengths, parse_tasks(tasks), samples, [m.strip() for m in modes.split(",") if m.strip()],
-                         route, max_tokens)
+                         route, max_tokens, parse_also(also, route))
     unknown = [m for m in config.modes if m not in MODES]
     if unknown or not config.modes:
         raise UsageError(f"--modes: {', '.join(unknown) or 'none given'}; choose from {', '.join(MODES)}")
