@@ -81,7 +81,7 @@ def test_the_summary_compares_steps_copied_right_with_the_first_wrong_ones():
     assert (s["next_region_right"], s["next_region_wrong"]) == (1, 1)
     assert s["lost_layers"] == [4]  # 0.83 -> 0.0 in layer 4; layer 9 unchanged
     table = markdown([s])
-    assert "| vt | 2 | 0.67 (0.00; n=3) | 0.25 (0.00; n=1) | 1/3 [" in table and "look-alike 25%, filler 75%" in table
+    assert "| vt | 2 | 0.67 (0.00; n=3) | 0.25 (0.00; n=1) | 1/3 [6%–79%] / 1/1 [21%–100%] |" in table and "look-alike 25%, filler 75%" in table
 
 
 @pytest.mark.engine

@@ -196,7 +196,7 @@ def markdown(summary: Sequence[dict]) -> str:
     def count(k: int, n: int) -> str:
         if not n:
             return "–"
-        lo, hi = wilson_interval(k, n)
+        lo, hi = wilson_interval(k / n, n)
         return f"{k}/{n} [{lo:.0%}–{hi:.0%}]"
 
     lines = ["| task | answers | steps copied right: target read (dropped since the step before) | "
