@@ -136,12 +136,13 @@ def test_ruler_eval_writes_rows_and_resumes(cache_dir, tiny_model, tmp_path):
 def test_ruler_eval_asks_more_routes_on_the_same_prefill(cache_dir, tiny_model, tmp_path):
     out = tmp_path / "ruler"
     result = run("eval", "ruler", "--model", str(tiny_model), "--lengths", "2k", "--tasks", "niah_single_1",
-                 "--modes", "full", "--max-tokens", "2", "--also", "keep=0;top-k=2,pin=0", "--out", str(out))
+                 "--modes", "full", "--max-tokens", "2", "--also", "keep=0;top-k=2,pin=0;keep=0,pin=0", "--out", str(out))
     assert result.exit_code == 0, result.stderr
     rows = _rows(out)
     assert [(r["mode"], r.get("keep"), r.get("top_k"), r.get("pin")) for r in rows][1:] == [
         ("geometric", 0.0, rows[1]["top_k"], rows[1]["pin"]), ("geometric", 0.9, 2, 0)]
     assert result.stderr.count("tokens prefilled") == 1  # one prefill for the three routes
+    # keep=0,pin=0 is keep=0's route (no memory: nothing pinned): asked once
     assert "keep 0 " in result.stdout and "geometric top-2" in result.stdout
 
 

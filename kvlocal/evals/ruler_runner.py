@@ -67,8 +67,10 @@ def run_ruler(session: Session, config: RulerConfig, out: Path, log: Callable[[s
     """Ask every (length, task, sample, route) that no row of `out` holds; returns all rows (old and new)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     grid = GridConfig(modes=config.modes, route=session.route_for(config.route))  # rows record the budget read
-    routes = [*grid.routes(), *(next(GridConfig(modes=["geometric"], route=session.route_for(r)).routes())
-                                for r in config.also)]
+    # each route once: --also may resolve to a mode's route, or two of its routes to one (keep=0 pins nothing)
+    routes = list(dict.fromkeys([*grid.routes(), *(next(GridConfig(modes=["geometric"],
+                                                                    route=session.route_for(r)).routes())
+                                                   for r in config.also)]))
     rows = load_rows(out)
     done = {row_key(r) for r in rows}
     configs = ruler.task_configs()
