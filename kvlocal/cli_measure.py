@@ -98,6 +98,13 @@ def _check_out_folder(out: Path, files: tuple[str, ...] = ()) -> None:
             raise UsageError(f"--out {out}: {name} there is a folder")
 
 
+def _routed_session(model, threads, routing: RouteOptions, lengths: list[int]):
+    """The session a measurement routes in: the model with the routing options' centroids, checked to
+    hold the longest of `lengths`."""
+    return common.check_lengths_fit(common.open_session(model, None, threads, "f16", routing.centroid_block,
+                                                        routing.centroid_type), lengths)
+
+
 def _haystack_text(haystack: Path | None) -> str | None:
     from kvlocal.ingest import load_document
 
@@ -115,8 +122,7 @@ def _grid(config, haystack: Path | None, out: Path, plots: bool, model, threads,
         raise UsageError(f"--tasks: {', '.join(unknown) or 'none given'}; choose from {', '.join(TASKS)}")
     _check_out_folder(out, ("results.jsonl", "summary.json"))
     filler = _haystack_text(haystack)
-    session = common.check_lengths_fit(common.open_session(model, None, threads, "f16", routing.centroid_block,
-                                               routing.centroid_type), config.lengths)
+    session = _routed_session(model, threads, routing, config.lengths)
     rows = run_grid(session, config, out / "results.jsonl", filler=filler,
                     haystack_name=str(haystack or ""), log=lambda line: err(f"kvlocal: {line}"))
     prefill_tag = session.prefill_tag(config.prefill)
@@ -218,9 +224,7 @@ def eval_ruler(
     _check_out_folder(out, (RESULTS,))
     lengths_list = parse_lengths(lengths)
     eval_command(lengths_list, tasks, parse_seeds(seeds), modes, routing.config(DEFAULT_MODE), max_tokens, out,
-                 lambda: common.check_lengths_fit(common.open_session(model, None, threads, "f16", routing.centroid_block,
-                                                                      routing.centroid_type), lengths_list), _log,
-                 also)
+                 lambda: _routed_session(model, threads, routing, lengths_list), _log, also)
 
 
 def _library_sizes(sizes: str, facts_per_doc: int) -> list[int]:
@@ -567,7 +571,6 @@ def lab_copies(
     _check_out_folder(out, (copies.COPIES,))
     task_list, length_list, seed_list = parse_tasks(tasks), parse_lengths(lengths), parse_seeds(seeds)
     route = routing.config("geometric")
-    session = common.check_lengths_fit(common.open_session(model, None, threads, "f16", routing.centroid_block,
-                                                           routing.centroid_type), length_list)
+    session = _routed_session(model, threads, routing, length_list)
     rows = copies.run_copies(session, out, length_list, task_list, seed_list, route, _log)
     print(copies.markdown(copies.summarize(rows)))

@@ -15,14 +15,15 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from kvlocal.evals.intervals import wilson_interval
 
-WORD_CHAR = re.compile(r"[\w-]")
+NOT_WORD = re.compile(r"[^\w-]*")  # what a token writes before a value character (spaces, punctuation)
+WORD = re.compile(r"[\w-]*")
 WORD_TAIL = re.compile(r"[\w-]*$")
 CATEGORIES = ("same value", "other asked value", "look-alike", "filler")
 
@@ -40,13 +41,11 @@ def target_of(written: str, token_text: str, values: Sequence[str]) -> Target | 
     """The asked value an answer step is copying, given the answer `written` before it and its own text;
     None where the step writes no value character (a separator), starts a word that begins no asked
     value, or continues a word that is no asked value's start (after a wrong character)."""
-    lead = 0
-    while lead < len(token_text) and not WORD_CHAR.match(token_text[lead]):
-        lead += 1
+    lead = NOT_WORD.match(token_text).end()
     if lead == len(token_text):
         return None
     word = "" if lead else WORD_TAIL.search(written).group()
-    piece = re.match(r"[\w-]*", token_text[lead:]).group()
+    piece = WORD.match(token_text, lead).group()
     open_values = [v for v in values if v.startswith(word) and len(word) < len(v)]
     if not open_values:
         return None
@@ -82,31 +81,39 @@ def look_alike(value: str) -> re.Pattern | None:
 
 @dataclass
 class DocumentCells:
-    """Where the asked values and their look-alikes lie in a loaded document's cells."""
+    """Where the asked values and their look-alikes lie in a loaded document's cells (each scan of the
+    text is made once and kept: an answer asks at every token)."""
 
     text: str  # the cells' text
     char_cells: list[int]  # the cell of each character
     region: int  # cells per region
+    _scans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def value_starts(self, value: str) -> list[int]:
-        return [m.start() for m in re.finditer(re.escape(value), self.text)]
+        if ("starts", value) not in self._scans:
+            self._scans["starts", value] = [m.start() for m in re.finditer(re.escape(value), self.text)]
+        return self._scans["starts", value]
 
     def region_of_char(self, at: int) -> int:
         return self.char_cells[at] // self.region
 
     def categories(self, values: Sequence[str]) -> dict[int, str]:
         """The category of every region holding an asked value or a look-alike (the rest: filler)."""
+        key = ("categories", tuple(values))
+        if key in self._scans:
+            return self._scans[key]
         found: dict[int, str] = {}
         for value in values:
-            for pattern in filter(None, [look_alike(value)]):
-                for m in pattern.finditer(self.text):
-                    if m.group() not in values:
-                        for at in range(m.start(), m.end()):
-                            found.setdefault(self.region_of_char(at), "look-alike")
+            pattern = look_alike(value)
+            for m in pattern.finditer(self.text) if pattern else ():
+                if m.group() not in values:
+                    for at in range(m.start(), m.end()):
+                        found.setdefault(self.region_of_char(at), "look-alike")
         for value in values:
             for start in self.value_starts(value):
                 for at in range(start, start + len(value)):
                     found[self.region_of_char(at)] = value
+        self._scans[key] = found
         return found
 
 
@@ -235,12 +242,13 @@ def run_copies(session, out: Path, lengths: Sequence[int], tasks: Sequence[str],
             if r["route"] == label]
     done = {(r["length"], r["task"], r["seed"]) for r in rows}
     count = lambda text: len(session.tokenize(text, bos=False))  # noqa: E731
+    configs = ruler.task_configs()
     for length in lengths:
         for task in tasks:
             todo = [i for i in seeds if (length, task, i) not in done]
             if not todo:
                 continue
-            max_tokens = ruler.task_configs()[task]["tokens_to_generate"]
+            max_tokens = configs[task]["tokens_to_generate"]
             samples = ruler.generate(task, length, max(todo) + 1, count, budget=ruler_budget(session, length, max_tokens))
             for i in todo:
                 row = {"length": length, "task": task, "seed": i, "route": label, **copy_row(session, samples[i], route_config, max_tokens)}
