@@ -208,7 +208,7 @@ SeedOpt = Annotated[int, typer.Option(
     "--seed", min=0, max=MAX_SEED, rich_help_panel=ROUTING, help="Seed of sampling and of the random route.")]
 PrefillOpt = Annotated[str, typer.Option(
     "--prefill", rich_help_panel=PREFILL, help="dense, or routed: from --prefill-from on, each ubatch reads only "
-    "the regions its queries choose (loads faster, may lose facts; its saved state is kept apart).")]
+    "the regions its queries choose (faster only for long documents, may lose facts; its saved state is kept apart).")]
 
 
 def _shortlist_value(text: str) -> int:

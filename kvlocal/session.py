@@ -145,6 +145,9 @@ def _on_prefix(name: str) -> property:
 
 
 def default_threads() -> int:
+    """Every core this process may run on (a container's or taskset's share, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
 
 

@@ -245,12 +245,16 @@ def test_bench_markdown_has_decode_and_prefill_rows():
     run = {"model": "m", "lengths": [{"n_tokens": 30836, "full_tps": 4.0, "geometric_tps": 20.0, "speedup": 5.0,
                                       "bytes_reduction": 16.4}],
            "prefill": "routed (top-64 regions per ubatch from token 4,096)",
-           "prefill_lengths": [{"n_tokens": 15099, "dense_s": 459.08, "routed_s": 335.63, "speedup": 1.3678,
+           "prefill_lengths": [{"n_tokens": 1034, "dense_s": 11.0, "routed_s": 11.0, "speedup": 1.0,
+                                "bytes_reduction": 1.0},
+                               {"n_tokens": 15099, "dense_s": 459.08, "routed_s": 335.63, "speedup": 1.3678,
                                 "bytes_reduction": 1.72}],
            "ttft_fresh_s": 42.55, "ttft_cached_s": 2.34, "peak_rss_bytes": 2.5 * 2**30}
     text = report.bench_markdown([("bench-x", run)])
     assert "| bench-x | m | 30,836 | 4.00 | 20.00 | 5.00x | 16.4x | 42.5 s / 2.3 s | 2.5 GiB |" in text
-    assert "| bench-x | routed (top-64 regions per ubatch from token 4,096) | 15,099 | 459.1 | 335.6 | 1.37x | 1.7x |" in text
+    assert "| bench-x | routed (top-64 regions per ubatch from token 4,096) | 1,034 | 11.0 | 94.0 (1.00x) | 11.0 | 1.00x | 1.0x |" in text
+    # 15,099 / 459.08 = 32.9 tok/s, 0.35x the 1,034-token prefill's 94.0
+    assert "| bench-x | routed (top-64 regions per ubatch from token 4,096) | 15,099 | 459.1 | 32.9 (0.35x) | 335.6 | 1.37x | 1.7x |" in text
 
 
 def test_main_routes_and_bench(tmp_path, capsys):
