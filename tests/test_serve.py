@@ -350,8 +350,11 @@ def test_ctrl_c_stops_the_command_cleanly_with_the_cache_written(tiny_model, cac
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    # SIGINT at its default in the server, as a terminal's Ctrl-C finds it, even where this test runs as a
+    # background job of a shell without job control (which starts it, and so the server, ignoring SIGINT)
     proc = subprocess.Popen([sys.executable, "-m", "kvlocal.cli", "serve", "--port", str(port), "--model",
-                             str(tiny_model), "--threads", "2"], stderr=subprocess.PIPE, text=True, env=env)
+                             str(tiny_model), "--threads", "2"], stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stderr:
             if "Application startup complete" in line:
