@@ -311,13 +311,18 @@ def bench_document(
     prefilling: PrefillOptions = PrefillOptions(),
     distributed: RpcOptions = RpcOptions(),
 ) -> None:
-    """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token."""
+    """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token.
+
+    With --rpc the same answers are first decoded with every layer on this machine (the documents are
+    prefilled and cached there), so one run reports what the servers cost: tok/s here and over RPC, and
+    the bytes each answer step sent and received over the servers' connections."""
     import json
 
     from kvlocal.atomic import write_text_atomic
     from kvlocal.evals import bench as b
     from kvlocal.evals.report import bench_text
     from kvlocal.evals.runner import make_case
+    from kvlocal.rpc import check_servers
 
     route = routing.config("geometric")
     context_lengths = parse_lengths(lengths)
@@ -325,16 +330,28 @@ def bench_document(
     prefill_cfg = prefilling.config("routed")
     if out:
         common.check_out_file(out)
-    session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
-                                  distributed.config())
-    common.check_lengths_fit(session, context_lengths + prefill_context)
+    placement = distributed.config()
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
+    here = None
+    if placement is not None:
+        # the same answers with every layer on this machine first, so the report holds what the servers
+        # cost in this run (the documents are prefilled here, where it is faster, and cached for them)
+        check_servers(placement)  # an unreachable server: one line before any work
+        log("bench: every layer on this machine first")
+        local = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+        common.check_lengths_fit(local, context_lengths)
+        here = b.bench_lengths(local, context_lengths, route, n_tokens=tokens, log=log)
+        local.close()
+        log(f"bench: layers split with {', '.join(map(str, placement.servers))}")
+    session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
+                                  placement)
+    common.check_lengths_fit(session, context_lengths + prefill_context)
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log, controls=controls,
                               plain_loop=plain_loop, other_attention=other_attention)
     prefills = b.bench_prefill(session, prefill_context, prefill_cfg, log=log)
     small = make_case(session, "passkey", 4096, [0.5], 1) if ttft or upkeep else None  # the 4k document
     first_token = b.time_to_first_token(session, small.text, route, small.probes[0].question) if ttft else {}
-    report = b.document_report(session, results, route, prefill_cfg, prefills, first_token)
+    report = b.document_report(session, results, route, prefill_cfg, prefills, first_token, here)
     session.close()
     if upkeep:
         report["centroid_upkeep"] = b.centroid_upkeep_share(model, small.text, threads, routing.centroid_block)
@@ -357,13 +374,17 @@ def bench_library(
     routing: RouteOptions = RouteOptions(),
     distributed: RpcOptions = RpcOptions(),
 ) -> None:
-    """Sets of N documents readied from their cached states, then decoded full and geometric back to back."""
+    """Sets of N documents readied from their cached states, then decoded full and geometric back to back.
+
+    With --rpc each set is first decoded with every layer on this machine, then with the layers split
+    over the servers: tok/s here and over RPC, and the bytes each answer step put on the wire."""
     import json
 
     from kvlocal.atomic import write_text_atomic
     from kvlocal.evals import bench as b
     from kvlocal.evals.library_report import bench_text
     from kvlocal.library import check_composable
+    from kvlocal.rpc import check_servers
 
     route = routing.config("geometric")
     size_list, length_list = _library_sizes(sizes, 1), parse_lengths(lengths)
@@ -371,13 +392,25 @@ def bench_library(
         raise UsageError("bench library benches one document length at a time; give one --lengths")
     if out:
         common.check_out_file(out)
+    placement = distributed.config()
+    log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
+    here = None
+    if placement is not None:
+        # the same sets with every layer on this machine first (bench document's reason)
+        check_servers(placement)
+        log("bench library: every layer on this machine first")
+        local = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+        check_composable(local)
+        common.check_lengths_fit(local, length_list)
+        here = b.bench_library(local, size_list, length_list[0], route, n_tokens=tokens, seed=set_seed, log=log)
+        local.close()
+        log(f"bench library: layers split with {', '.join(map(str, placement.servers))}")
     session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
-                                  distributed.config())
+                                  placement)
     check_composable(session)
     common.check_lengths_fit(session, length_list)
-    results = b.bench_library(session, size_list, length_list[0], route, n_tokens=tokens, seed=set_seed,
-                              log=lambda line: err(f"kvlocal: {line}"))
-    report = b.library_report(session, results, route, set_seed)
+    results = b.bench_library(session, size_list, length_list[0], route, n_tokens=tokens, seed=set_seed, log=log)
+    report = b.library_report(session, results, route, set_seed, here)
     session.close()
     print(bench_text(report))
     if out:

@@ -9,6 +9,7 @@ line with exit status 1 and nothing cached lost; a server of another protocol, o
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -244,6 +245,52 @@ def test_a_set_of_documents_over_rpc_answers_as_locally(servers, model4, docs, t
     assert there.returncode == 0, there.stderr
     assert there.stdout == here.stdout
     assert "on this machine (CPU)" in there.stderr and str(servers[1]) in there.stderr
+
+
+def bench(cache: Path, model: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KVLOCAL_RPC="", KVLOCAL_CACHE_DIR=str(cache))
+    return subprocess.run([sys.executable, "-m", "kvlocal.cli", "bench", *args, "--model", str(model), "--lengths",
+                           "2k", "--tokens", "3", "--threads", "1"], env=env, capture_output=True, text=True)
+
+
+def test_bench_over_rpc_times_the_same_answers_here_first_and_counts_the_wire(servers, model4, tmp_path):
+    out = tmp_path / "bench.json"
+    result = bench(tmp_path / "cache", model4, "document", "--prefill-lengths", "none", "--no-upkeep", "--no-ttft",
+                   "--rpc", rpc_list(servers), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    # the document was prefilled once, here, and the RPC run loaded it from the cache
+    assert "tokens (prefilled)" in result.stderr and "tokens (cache hit)" in result.stderr
+    assert result.stderr.index("tokens (prefilled)") < result.stderr.index("layers split with")
+    assert len(list((tmp_path / "cache" / "states").glob("*.kvstate"))) == 1
+    report = json.loads(out.read_text())
+    assert f"on {servers[1]} (RPC" in report["placement"]
+    [row] = report["lengths"]
+    assert row["here_full_tps"] > 0 and row["here_geometric_tps"] > 0
+    assert row["full_wire_per_step"] > 0 and row["geometric_wire_per_step"] > 0
+    assert "| every layer here: full / geometric tok/s | over RPC, x here: full / geometric |" in result.stdout
+    assert re.search(r"\| [\d.]+ / [\d.]+ \| [\d.]+x / [\d.]+x \|$", result.stdout, re.M), result.stdout
+
+
+def test_bench_library_over_rpc_reports_the_set_here_and_over_the_wire(servers, model4, tmp_path):
+    out = tmp_path / "bench.json"
+    result = bench(tmp_path / "cache", model4, "library", "2", "--rpc", rpc_list(servers), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("bodies prefilled and cached") == 1  # here; the RPC run readied them from the cache
+    report = json.loads(out.read_text())
+    [entry] = report["library"]
+    assert entry["here_full_tps"] > 0 and entry["here_geometric_tps"] > 0 and entry["full_wire_per_step"] > 0
+    assert f"on {servers[0]} (RPC" in report["placement"]
+    assert re.search(r"^\| 2 x 2k \| .* \| [\d.]+ KiB / [\d.]+ KiB \| [\d.]+ / [\d.]+ \| [\d.]+x / [\d.]+x \|$",
+                     result.stdout, re.M), result.stdout
+
+
+def test_bench_over_an_unreachable_server_is_one_line_before_any_work(model4, tmp_path):
+    port = free_port()
+    result = bench(tmp_path / "cache", model4, "document", "--rpc", f"127.0.0.1:{port}")
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"kvlocal: error: cannot reach RPC server 127.0.0.1:{port}: "), line
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.kvstate*"))
 
 
 def test_a_server_killed_mid_answer_is_one_line_exit_1_and_nothing_cached_is_lost(model4, docs, tmp_path,

@@ -257,9 +257,23 @@ def machine_fields(session: Session) -> dict:
     }
 
 
-def length_fields(result: LengthResult, weights_bytes: int) -> dict:
+def here_fields(runs: dict[str, DecodeRun], here: dict[str, DecodeRun] | None) -> dict:
+    """A row's fields of the same answers decoded with every layer on this machine, in the run that put
+    layers on RPC servers (empty without such a run): full's and geometric's rates here, and what crossed
+    the wire per answer step over RPC."""
+    full, geo = runs["full"], runs["geometric"]
+    row = {}
+    if full.wire_bytes or geo.wire_bytes:  # layers on RPC servers: what crossed the wire per answer step
+        row["full_wire_per_step"], row["geometric_wire_per_step"] = full.wire_per_step, geo.wire_per_step
+    if here:
+        row["here_full_tps"], row["here_geometric_tps"] = here["full"].rate, here["geometric"].rate
+    return row
+
+
+def length_fields(result: LengthResult, weights_bytes: int, here: LengthResult | None = None) -> dict:
     """One context length's row of the bench report: each mode's rate, its ratio to full, its KV read
-    reduction, and the ratio its reads would allow if decoding were bound by memory bandwidth."""
+    reduction, and the ratio its reads would allow if decoding were bound by memory bandwidth; with
+    `here`, the same length decoded with every layer on this machine (a bench over RPC servers)."""
     full, geo = result.runs["full"], result.runs["geometric"]
     row = {"length": result.length, "n_tokens": result.n_tokens, "kv_bytes": result.kv_bytes,
            "full_tps": full.rate, "geometric_tps": geo.rate, "speedup": result.speedup,
@@ -271,8 +285,7 @@ def length_fields(result: LengthResult, weights_bytes: int) -> dict:
             row[f"{mode}_tps"] = run.rate
             row[f"{mode}_speedup"] = run.rate / full.rate if full.rate else 0.0
             row[f"{mode}_ceiling"] = read_ceiling(weights_bytes, run, full)
-    if full.wire_bytes or geo.wire_bytes:  # layers on RPC servers: what crossed the wire per answer step
-        row["full_wire_per_step"], row["geometric_wire_per_step"] = full.wire_per_step, geo.wire_per_step
+    row.update(here_fields(result.runs, here.runs if here else None))
     if PLAIN_LOOP in result.runs:
         row["plain_loop_tps"] = result.runs[PLAIN_LOOP].rate
         row["full_vs_plain_loop"] = full.rate / row["plain_loop_tps"] if row["plain_loop_tps"] else 0.0
@@ -280,13 +293,14 @@ def length_fields(result: LengthResult, weights_bytes: int) -> dict:
 
 
 def document_report(session: Session, results: list[LengthResult], route: RouteConfig, prefill: PrefillConfig,
-                    prefills: list[PrefillRun], first_token: dict) -> dict:
-    """`kvlocal bench`'s report (its --out file, kvlocal.evals.report.bench_text's input)."""
+                    prefills: list[PrefillRun], first_token: dict, here: list[LengthResult] | None = None) -> dict:
+    """`kvlocal bench`'s report (its --out file, kvlocal.evals.report.bench_text's input); `here`: the
+    same lengths decoded with every layer on this machine, when `session` put layers on RPC servers."""
     return {
         "model": session.model.alias or str(session.model.path), "threads": session.threads,
         **machine_fields(session),
         "route": session.route_for(route).describe(),
-        "lengths": [length_fields(r, session.model.info.file_size) for r in results],
+        "lengths": [length_fields(r, session.model.info.file_size, h) for r, h in zip(results, here or [None] * len(results))],
         "prefill": prefill.describe(),
         "prefill_lengths": [{"length": p.length, "n_tokens": p.n_tokens, "dense_s": p.dense_s, "routed_s": p.routed_s,
                              "speedup": p.speedup, "bytes_reduction": p.bytes_reduction} for p in prefills],
@@ -295,17 +309,21 @@ def document_report(session: Session, results: list[LengthResult], route: RouteC
     }
 
 
-def library_report(session: Session, results: list[SetBench], route: RouteConfig, seed: int) -> dict:
-    """`kvlocal bench library`'s report (its --out file, kvlocal.evals.library_report.bench_text's input)."""
+def library_report(session: Session, results: list[SetBench], route: RouteConfig, seed: int,
+                   here: list[SetBench] | None = None) -> dict:
+    """`kvlocal bench library`'s report (its --out file, kvlocal.evals.library_report.bench_text's input);
+    `here`: the same sets decoded with every layer on this machine, when `session` put layers on RPC servers."""
     return {
         "model": session.model.alias or str(session.model.path), "threads": session.threads,
         "route": session.route_for(route).describe(),
+        **({"placement": placement} if (placement := session.layer_placement()) else {}),
         "seed": seed,
         "library": [{"n_documents": r.n_documents, "length": r.length, "n_cells": r.n_cells, "layout": r.layout,
                      "ready_s": r.ready_s, "kv_bytes": r.kv_bytes, "full_tps": r.runs["full"].rate,
                      "geometric_tps": r.runs["geometric"].rate, "speedup": r.speedup,
                      "bytes_reduction": r.runs["geometric"].bytes_dense / max(1, r.runs["geometric"].bytes_read),
-                     "geometric_route": r.runs["geometric"].route}
-                    for r in results],
+                     "geometric_route": r.runs["geometric"].route,
+                     **here_fields(r.runs, h.runs if h else None)}
+                    for r, h in zip(results, here or [None] * len(results))],
         "peak_rss_bytes": peak_rss_bytes(),
     }

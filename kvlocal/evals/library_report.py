@@ -15,7 +15,7 @@ from pathlib import Path
 from statistics import mean, median
 
 from kvlocal.evals.library_runner import ALONE, CONCAT, SET, library_row
-from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction
+from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction, here_cells
 from kvlocal.evals.runner import hint_rule, load_rows, question_pass
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.route_settings import DEFAULT_QUESTION
@@ -147,12 +147,25 @@ def bench_markdown(runs: list[tuple[str, dict]]) -> str:
 def bench_text(report: dict) -> str:
     """What `kvlocal bench library` prints of its report: a row per set, the route geometric took where it
     was not the one asked for, and the peak memory."""
+    rows = report["library"]
+    wire = bool(rows) and "full_wire_per_step" in rows[0]
+    here = bool(rows) and "here_full_tps" in rows[0]
+    extra = (["RPC wire bytes per step, full / geometric"] if wire else []) + (
+        ["every layer here: full / geometric tok/s", "over RPC, x here: full / geometric"] if here else [])
     lines = [f"model {report['model']}, {report['threads']} threads, route {report['route']}",
+             *([report["placement"]] if report.get("placement") else []),
              "| set | cells | layout | KV bytes | ready from the cache | full tok/s | geometric tok/s | speedup "
-             "| KV bytes read, reduction |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['n_documents']} x {r['length'] // 1024}k | {r['n_cells']:,} | {r['layout']} | {human_bytes(r['kv_bytes'])} "
-              f"| {r['ready_s']:.1f} s | {r['full_tps']:.2f} | {r['geometric_tps']:.2f} | {r['speedup']:.2f}x "
-              f"| {r['bytes_reduction']:.1f}x |" for r in report["library"]]
+             "| KV bytes read, reduction |" + "".join(f" {h} |" for h in extra),
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra)]
+    for r in rows:
+        cells = [f"{r['n_documents']} x {r['length'] // 1024}k", f"{r['n_cells']:,}", r["layout"], human_bytes(r["kv_bytes"]),
+                 f"{r['ready_s']:.1f} s", f"{r['full_tps']:.2f}", f"{r['geometric_tps']:.2f}", f"{r['speedup']:.2f}x",
+                 f"{r['bytes_reduction']:.1f}x"]
+        if wire:
+            cells.append(f"{human_bytes(r['full_wire_per_step'])} / {human_bytes(r['geometric_wire_per_step'])}")
+        if here:
+            cells += here_cells(r)
+        lines.append("| " + " | ".join(cells) + " |")
     lines += [f"geometric over {r['n_documents']} documents took the route {r['geometric_route']}"
               for r in report["library"] if r["geometric_route"] != report["route"]]
     lines.append(f"peak RSS: {human_bytes(report['peak_rss_bytes'])}")

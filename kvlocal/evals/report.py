@@ -560,6 +560,13 @@ def bench_markdown(runs: list[tuple[str, dict]]) -> str:
 ATTENTION_LABELS = {"gather": "geometric, gathered", "in-place": "geometric, in place"}
 
 
+def here_cells(row: dict) -> list[str]:
+    """A bench row's rates with every layer on this machine, and the RPC run's rates as a share of them."""
+    full = row["full_tps"] / row["here_full_tps"] if row["here_full_tps"] else 0.0
+    geo = row["geometric_tps"] / row["here_geometric_tps"] if row["here_geometric_tps"] else 0.0
+    return [f"{row['here_full_tps']:.2f} / {row['here_geometric_tps']:.2f}", f"{full:.2f}x / {geo:.2f}x"]
+
+
 def decode_table(report: dict) -> str:
     """The bench report's decode rows as a Markdown table (the columns its rows have)."""
     rows = report["lengths"]
@@ -569,6 +576,8 @@ def decode_table(report: dict) -> str:
     head = ["context", "KV bytes", "full tok/s", "geometric tok/s", "speedup (ceiling)", "KV bytes read, reduction"]
     head += [f"{ATTENTION_LABELS.get(m, m)} tok/s (x full)" for m in controls] + (["llama.cpp loop tok/s (full / it)"] if plain else [])
     head += ["RPC wire bytes per step, full / geometric"] if wire else []
+    here = bool(rows) and "here_full_tps" in rows[0]
+    head += ["every layer here: full / geometric tok/s", "over RPC, x here: full / geometric"] if here else []
     lines = [f"model {report['model']} ({report.get('weights', '?')}), {report.get('backend', 'CPU')} "
              f"{report.get('device', '')}".rstrip() + f", {report['threads']} threads, route {report['route']}",
              *([report["placement"]] if report.get("placement") else []),
@@ -581,6 +590,8 @@ def decode_table(report: dict) -> str:
             cells.append(f"{r['plain_loop_tps']:.2f} ({r['full_vs_plain_loop']:.2f}x)")
         if wire:
             cells.append(f"{human_bytes(r['full_wire_per_step'])} / {human_bytes(r['geometric_wire_per_step'])}")
+        if here:
+            cells += here_cells(r)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
