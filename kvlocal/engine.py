@@ -62,6 +62,13 @@ class EngineInfo:
         return self.patched and (self.repo_patchset is None or self.patchset == self.repo_patchset)
 
 
+def default_threads() -> int:
+    """Every core this process may run on (a container's or taskset's share, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 @functools.cache
 def llama_cpp() -> ModuleType:
     """Import llama_cpp quietly; EngineError if it is missing."""

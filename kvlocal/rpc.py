@@ -294,7 +294,7 @@ def serve(host: str, port: int, threads: int | None, mem: str | None, allow_remo
     import resource
     import sys
 
-    from kvlocal.engine import require_patched, rpc_server_binary
+    from kvlocal.engine import default_threads, require_patched, rpc_server_binary
     from kvlocal.units import parse_bytes
 
     info = require_patched()
@@ -310,7 +310,7 @@ def serve(host: str, port: int, threads: int | None, mem: str | None, allow_remo
           f"{info.patchset}{cap}; clients: kvlocal ask --rpc {host}:{port} ...; Ctrl-C stops it", file=sys.stderr)
     if limit:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-    argv = [str(binary), "--host", host, "--port", str(port), "--threads", str(threads or os.cpu_count() or 1)]
+    argv = [str(binary), "--host", host, "--port", str(port), "--threads", str(threads or default_threads())]
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(2, 1)  # the server's banner and connection log: diagnostics

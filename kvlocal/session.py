@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -27,7 +26,7 @@ import numpy as np
 
 from kvlocal import kvstate
 from kvlocal.answer import Answer, AnswerPiece, AnswerSummary, AnswerText, ReadTotals
-from kvlocal.engine import EngineContext, exit_on_engine_abort, require_patched
+from kvlocal.engine import EngineContext, default_threads, exit_on_engine_abort, require_patched
 from kvlocal.errors import CancelledError, ContextOverflowError, EngineError, UsageError
 from kvlocal.ggml_types import TYPE_IDS as KV_TYPES
 from kvlocal.hints import TextIndex, hint_cells
@@ -142,13 +141,6 @@ class Prefix:
 def _on_prefix(name: str) -> property:
     """A Session attribute that is the current prefix's `name`."""
     return property(lambda self: getattr(self.prefix, name), lambda self, value: setattr(self.prefix, name, value))
-
-
-def default_threads() -> int:
-    """Every core this process may run on (a container's or taskset's share, not the host's count)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 class Session:
