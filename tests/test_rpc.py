@@ -30,6 +30,8 @@ pytestmark = pytest.mark.engine
 from synth_gguf import write_tiny_qwen2  # noqa: E402
 
 from kvlocal import kvstate  # noqa: E402
+from kvlocal.evals import library_report  # noqa: E402
+from kvlocal.evals import report as report_module  # noqa: E402
 from kvlocal.engine import EngineContext, layer_plan, require_patched  # noqa: E402
 from kvlocal.errors import UsageError  # noqa: E402
 from kvlocal.routing import Route  # noqa: E402
@@ -253,7 +255,7 @@ def bench(cache: Path, model: Path, *args: str) -> subprocess.CompletedProcess:
                            "2k", "--tokens", "3", "--threads", "1"], env=env, capture_output=True, text=True)
 
 
-def test_bench_over_rpc_times_the_same_answers_here_first_and_counts_the_wire(servers, model4, tmp_path):
+def test_bench_over_rpc_times_the_same_answers_here_first_and_counts_the_wire(servers, model4, tmp_path, capsys):
     out = tmp_path / "bench.json"
     result = bench(tmp_path / "cache", model4, "document", "--prefill-lengths", "none", "--no-upkeep", "--no-ttft",
                    "--rpc", rpc_list(servers), "--out", str(out))
@@ -268,10 +270,12 @@ def test_bench_over_rpc_times_the_same_answers_here_first_and_counts_the_wire(se
     assert row["here_full_tps"] > 0 and row["here_geometric_tps"] > 0
     assert row["full_wire_per_step"] > 0 and row["geometric_wire_per_step"] > 0
     assert "| every layer here: full / geometric tok/s | over RPC, x here: full / geometric |" in result.stdout
+    report_module.main(["--decode", str(out)])  # the table again, from the file
+    assert capsys.readouterr().out.strip() in result.stdout
     assert re.search(r"\| [\d.]+ / [\d.]+ \| [\d.]+x / [\d.]+x \|$", result.stdout, re.M), result.stdout
 
 
-def test_bench_library_over_rpc_reports_the_set_here_and_over_the_wire(servers, model4, tmp_path):
+def test_bench_library_over_rpc_reports_the_set_here_and_over_the_wire(servers, model4, tmp_path, capsys):
     out = tmp_path / "bench.json"
     result = bench(tmp_path / "cache", model4, "library", "2", "--rpc", rpc_list(servers), "--out", str(out))
     assert result.returncode == 0, result.stderr
@@ -282,6 +286,8 @@ def test_bench_library_over_rpc_reports_the_set_here_and_over_the_wire(servers, 
     assert f"on {servers[0]} (RPC" in report["placement"]
     assert re.search(r"^\| 2 x 2k \| .* \| [\d.]+ KiB / [\d.]+ KiB \| [\d.]+ / [\d.]+ \| [\d.]+x / [\d.]+x \|$",
                      result.stdout, re.M), result.stdout
+    library_report.main(["--decode", str(out)])  # the table again, from the file
+    assert capsys.readouterr().out == result.stdout
 
 
 def test_bench_over_an_unreachable_server_is_one_line_before_any_work(model4, tmp_path):

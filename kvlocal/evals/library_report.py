@@ -173,16 +173,20 @@ def bench_text(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m kvlocal.evals.library_report RESULTS.jsonl...`: the library eval's tables; `--bench`
+    first: one table over `kvlocal bench library --out` files; `--decode` first: each such file's table as
+    `bench library` printed it (every column it measured: over RPC, the rates here and the wire bytes)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    bench = args[:1] == ["--bench"]
-    if bench:
-        args.pop(0)
+    kind = args.pop(0) if args[:1] in (["--bench"], ["--decode"]) else None
     if not args:
         print("usage: python -m kvlocal.evals.library_report RESULTS.jsonl...\n"
-              "       python -m kvlocal.evals.library_report --bench BENCH.json...", file=sys.stderr)
+              "       python -m kvlocal.evals.library_report --bench|--decode BENCH.json...", file=sys.stderr)
         raise SystemExit(2)
-    if bench:
+    if kind == "--bench":
         print(bench_markdown([(Path(p).stem, json.loads(Path(p).read_text())) for p in args]))
+        return
+    if kind == "--decode":
+        print("\n\n".join(bench_text(json.loads(Path(p).read_text())) for p in args))
         return
     rows = [row for path in args for row in load_rows(Path(path), library_row)]
     print(markdown(summarize(rows)))
