@@ -268,7 +268,8 @@ def test_bench_over_rpc_times_the_same_answers_here_first_and_counts_the_wire(se
     assert f"on {servers[1]} (RPC" in report["placement"]
     [row] = report["lengths"]
     assert row["here_full_tps"] > 0 and row["here_geometric_tps"] > 0
-    assert row["full_wire_per_step"] > 0 and row["geometric_wire_per_step"] > 0
+    for route in ("full", "geometric"):  # every step sends its graph and receives the logits
+        assert 0 < row[f"{route}_wire_sent_per_step"] < row[f"{route}_wire_per_step"]
     assert "| every layer here: full / geometric tok/s | over RPC, x here: full / geometric |" in result.stdout
     report_module.main(["--decode", str(out)])  # the table again, from the file
     assert capsys.readouterr().out.strip() in result.stdout
@@ -284,7 +285,8 @@ def test_bench_library_over_rpc_reports_the_set_here_and_over_the_wire(servers, 
     [entry] = report["library"]
     assert entry["here_full_tps"] > 0 and entry["here_geometric_tps"] > 0 and entry["full_wire_per_step"] > 0
     assert f"on {servers[0]} (RPC" in report["placement"]
-    assert re.search(r"^\| 2 x 2k \| .* \| [\d.]+ KiB / [\d.]+ KiB \| [\d.]+ / [\d.]+ \| [\d.]+x / [\d.]+x \|$",
+    wire = r"[\d.]+ KiB \([\d.]+ KiB \+ [\d.]+ KiB\)"  # per step: sent + received
+    assert re.search(rf"^\| 2 x 2k \| .* \| {wire} / {wire} \| [\d.]+ / [\d.]+ \| [\d.]+x / [\d.]+x \|$",
                      result.stdout, re.M), result.stdout
     library_report.main(["--decode", str(out)])  # the table again, from the file
     assert capsys.readouterr().out == result.stdout

@@ -25,11 +25,16 @@ class DecodeRun:
     bytes_read: int
     bytes_dense: int
     route: str = ""  # the route the answer took (a set of documents may take its own: routing.resolve_route)
-    wire_bytes: int = 0  # bytes sent and received over the RPC servers' connections by the answer's steps
+    wire_sent: int = 0  # bytes the answer's steps sent over the RPC servers' connections
+    wire_received: int = 0  # and received
 
     @property
     def wire_per_step(self) -> float:
-        return self.wire_bytes / self.tokens if self.tokens else 0.0
+        return (self.wire_sent + self.wire_received) / self.tokens if self.tokens else 0.0
+
+    @property
+    def wire_sent_per_step(self) -> float:
+        return self.wire_sent / self.tokens if self.tokens else 0.0
 
     @property
     def rate(self) -> float:
@@ -61,7 +66,7 @@ def _decode(session: Session, question: str, route: RouteConfig, n_tokens: int, 
         summary = session.answer(question, route=route, max_tokens=n_tokens)
         run = DecodeRun(route.mode, summary.n_answer_tokens, summary.decode_seconds,
                         summary.bytes_read, summary.bytes_dense, summary.route.describe(),
-                        summary.wire_sent + summary.wire_received)
+                        summary.wire_sent, summary.wire_received)
         if best is None or run.rate > best.rate:
             best = run
     return best
@@ -263,8 +268,10 @@ def here_fields(runs: dict[str, DecodeRun], here: dict[str, DecodeRun] | None) -
     the wire per answer step over RPC."""
     full, geo = runs["full"], runs["geometric"]
     row = {}
-    if full.wire_bytes or geo.wire_bytes:  # layers on RPC servers: what crossed the wire per answer step
+    if full.wire_per_step or geo.wire_per_step:  # layers on RPC servers: what crossed the wire per answer step
         row["full_wire_per_step"], row["geometric_wire_per_step"] = full.wire_per_step, geo.wire_per_step
+        row["full_wire_sent_per_step"] = full.wire_sent_per_step  # of which sent to the servers
+        row["geometric_wire_sent_per_step"] = geo.wire_sent_per_step
     if here:
         row["here_full_tps"], row["here_geometric_tps"] = here["full"].rate, here["geometric"].rate
     return row

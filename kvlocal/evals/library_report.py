@@ -15,7 +15,15 @@ from pathlib import Path
 from statistics import mean, median
 
 from kvlocal.evals.library_runner import ALONE, CONCAT, SET, library_row
-from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction, here_cells
+from kvlocal.evals.report import (
+    WIRE_HEAD,
+    _accuracy,
+    _interval_text,
+    _mode_rank,
+    answer_reduction,
+    here_cells,
+    wire_cell,
+)
 from kvlocal.evals.runner import hint_rule, load_rows, question_pass
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.route_settings import DEFAULT_QUESTION
@@ -150,7 +158,7 @@ def bench_text(report: dict) -> str:
     rows = report["library"]
     wire = bool(rows) and "full_wire_per_step" in rows[0]
     here = bool(rows) and "here_full_tps" in rows[0]
-    extra = (["RPC wire bytes per step, full / geometric"] if wire else []) + (
+    extra = ([WIRE_HEAD] if wire else []) + (
         ["every layer here: full / geometric tok/s", "over RPC, x here: full / geometric"] if here else [])
     lines = [f"model {report['model']}, {report['threads']} threads, route {report['route']}",
              *([report["placement"]] if report.get("placement") else []),
@@ -162,7 +170,7 @@ def bench_text(report: dict) -> str:
                  f"{r['ready_s']:.1f} s", f"{r['full_tps']:.2f}", f"{r['geometric_tps']:.2f}", f"{r['speedup']:.2f}x",
                  f"{r['bytes_reduction']:.1f}x"]
         if wire:
-            cells.append(f"{human_bytes(r['full_wire_per_step'])} / {human_bytes(r['geometric_wire_per_step'])}")
+            cells.append(wire_cell(r))
         if here:
             cells += here_cells(r)
         lines.append("| " + " | ".join(cells) + " |")

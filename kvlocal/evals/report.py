@@ -560,6 +560,19 @@ def bench_markdown(runs: list[tuple[str, dict]]) -> str:
 ATTENTION_LABELS = {"gather": "geometric, gathered", "in-place": "geometric, in place"}
 
 
+WIRE_HEAD = "RPC wire bytes per step (sent + received), full / geometric"
+
+
+def wire_cell(row: dict) -> str:
+    """What a bench row's answer steps put on the RPC servers' connections: each route's bytes per step,
+    split into sent and received where the row has the split."""
+    def one(route: str) -> str:
+        total = row[f"{route}_wire_per_step"]
+        sent = row.get(f"{route}_wire_sent_per_step")
+        return human_bytes(total) if sent is None else f"{human_bytes(total)} ({human_bytes(sent)} + {human_bytes(total - sent)})"
+    return f"{one('full')} / {one('geometric')}"
+
+
 def here_cells(row: dict) -> list[str]:
     """A bench row's rates with every layer on this machine, and the RPC run's rates as a share of them."""
     full = row["full_tps"] / row["here_full_tps"] if row["here_full_tps"] else 0.0
@@ -575,7 +588,7 @@ def decode_table(report: dict) -> str:
     wire = bool(rows) and "full_wire_per_step" in rows[0]
     head = ["context", "KV bytes", "full tok/s", "geometric tok/s", "speedup (ceiling)", "KV bytes read, reduction"]
     head += [f"{ATTENTION_LABELS.get(m, m)} tok/s (x full)" for m in controls] + (["llama.cpp loop tok/s (full / it)"] if plain else [])
-    head += ["RPC wire bytes per step, full / geometric"] if wire else []
+    head += [WIRE_HEAD] if wire else []
     here = bool(rows) and "here_full_tps" in rows[0]
     head += ["every layer here: full / geometric tok/s", "over RPC, x here: full / geometric"] if here else []
     lines = [f"model {report['model']} ({report.get('weights', '?')}), {report.get('backend', 'CPU')} "
@@ -589,7 +602,7 @@ def decode_table(report: dict) -> str:
         if plain:
             cells.append(f"{r['plain_loop_tps']:.2f} ({r['full_vs_plain_loop']:.2f}x)")
         if wire:
-            cells.append(f"{human_bytes(r['full_wire_per_step'])} / {human_bytes(r['geometric_wire_per_step'])}")
+            cells.append(wire_cell(r))
         if here:
             cells += here_cells(r)
         lines.append("| " + " | ".join(cells) + " |")
