@@ -65,6 +65,9 @@ def describe(lib, ptr) -> dict:
         "type": t.type,
         "ne": tuple(t.ne),
         "src": srcs,
+        # each source tensor's address and name: which nodes read the same tensor
+        "src_at": [s for s in t.src if s],
+        "src_names": [lib.ggml_get_name(s).decode() for s in t.src if s],
     }
 
 
@@ -218,6 +221,19 @@ def test_an_in_place_step_is_supported_on_cuda_and_metal(models, mode):
     bad_metal = [(n["op"], n["name"]) for n in nodes if not metal_supports(n)]
     assert not bad_cuda, f"nodes CUDA would not run: {bad_cuda}"
     assert not bad_metal, f"nodes Metal would not run: {bad_metal}"
+
+
+@pytest.mark.parametrize("attention", ["gather", "in-place"])
+@pytest.mark.parametrize("arch", ["qwen2", "olmo2-iswa"])
+def test_the_routed_layers_of_a_step_read_one_view_of_its_mask_row(models, arch, attention):
+    # a backend other than the mask's (an RPC server, a GPU) receives a copy of every view of an input:
+    # one view shared by the step's routed layers crosses once a step, not once a layer
+    nodes = record_decode_graph(models[arch], F16, Route(mode="geometric", top_k=3, region=64, attention=attention))
+    layers = {n["name"] for n in nodes if n["name"].startswith("kv_route_fattn")}
+    reads = [n for n in nodes if n["op"] == "GET_ROWS" and n["src_names"][0].startswith("kv_route_mask_row ")]
+    assert len(layers) >= 2, f"the step routed {len(layers)} layers"
+    assert len(reads) == len(layers), f"{len(reads)} reads of a mask row view for {len(layers)} routed layers"
+    assert len({n["src_at"][0] for n in reads}) == 1, "the routed layers read different views of the mask row"
 
 
 def routed_nodes(nodes: list[dict]) -> list[dict]:
