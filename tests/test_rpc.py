@@ -249,6 +249,27 @@ def test_a_set_of_documents_over_rpc_answers_as_locally(servers, model4, docs, t
     assert "on this machine (CPU)" in there.stderr and str(servers[1]) in there.stderr
 
 
+def test_serve_over_rpc_answers_as_ask_does_here(servers, model4, docs, tmp_path, monkeypatch):
+    import httpx
+
+    from kvlocal.serve.command import open_state, serving_in_thread
+    from kvlocal.serve.schemas import Limits
+
+    here = ask(tmp_path / "cache", model4, docs[:1])
+    assert here.returncode == 0, here.stderr
+    monkeypatch.setenv("KVLOCAL_CACHE_DIR", str(tmp_path / "cache"))
+    state = open_state([str(docs[0])], [], Limits(), model=str(model4), threads=1,
+                       placement=placement(rpc_list(servers), "1,2,2"))
+    body = {"model": "kvlocal", "max_tokens": 8, "documents": [docs[0].name],
+            "messages": [{"role": "user", "content": QUESTION}]}
+    with serving_in_thread(state) as port:
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+        where = state.scheduler.worker.session.layer_placement()
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == here.stdout.rstrip("\n")
+    assert f"1-2 on {servers[0]} (RPC" in where and f"3 and the output on {servers[1]} (RPC" in where, where
+
+
 def bench(cache: Path, model: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), KVLOCAL_RPC="", KVLOCAL_CACHE_DIR=str(cache))
     return subprocess.run([sys.executable, "-m", "kvlocal.cli", "bench", *args, "--model", str(model), "--lengths",

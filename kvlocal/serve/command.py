@@ -16,7 +16,17 @@ from typing import Annotated, Optional
 import typer
 
 from kvlocal.addresses import is_loopback
-from kvlocal.cli_options import CtxOpt, KvTypeOpt, MaxKvOpt, ModelOpt, RouteOpt, RouteOptions, ThreadsOpt, option_groups
+from kvlocal.cli_options import (
+    CtxOpt,
+    KvTypeOpt,
+    MaxKvOpt,
+    ModelOpt,
+    RouteOpt,
+    RouteOptions,
+    RpcOptions,
+    ThreadsOpt,
+    option_groups,
+)
 from kvlocal.errors import KvlocalError, UsageError
 from kvlocal.route_settings import DEFAULT_CENTROID_BLOCK, DEFAULT_MODE, MAX_ANSWER_TOKENS, MAX_ANSWERS
 
@@ -55,6 +65,7 @@ def serve(
              "requests about different ones decode together; other requests wait for the batch to drain.")] = 1,
     route: RouteOpt = DEFAULT_MODE,
     routing: RouteOptions = RouteOptions(),
+    distributed: RpcOptions = RpcOptions(),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/models) answering from documents.
 
@@ -74,7 +85,8 @@ def serve(
     limit = parse_size(max_kv) if max_kv is not None else default_max_kv()
     state = open_state(documents or [], keys, limits, model=model, ctx=ctx, threads=threads, kv_type=kv_type,
                        max_kv=limit, queue=queue, answers=batch, route=route_cfg,
-                       centroid_block=routing.centroid_block, centroid_type=routing.centroid_type)
+                       centroid_block=routing.centroid_block, centroid_type=routing.centroid_type,
+                       placement=distributed.config())
     run(state, host, port)
 
 
@@ -100,9 +112,10 @@ def _size(text: str, setting: str) -> int:
 
 def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=None, threads=None, kv_type="f16",
                max_kv=None, queue=8, audit=False, answers=1, route=None, centroid_block=DEFAULT_CENTROID_BLOCK,
-               centroid_type=None):
-    """The server's state: the named documents read, the keys checked, the model loaded; `route` (a
-    RouteConfig; None: kvlocal ask's default) decodes every answer."""
+               centroid_type=None, placement=None):
+    """The server's state: the named documents read, the keys checked, the model loaded (its layers split
+    with RPC servers by `placement`, kvlocal.rpc); `route` (a RouteConfig; None: kvlocal ask's default)
+    decodes every answer."""
     from kvlocal.serve.app import ServerState
     from kvlocal.serve.documents import Catalog, KeyRing
     from kvlocal.serve.scheduler import Scheduler
@@ -113,7 +126,7 @@ def open_state(sources: list[str], keys: list[str], limits, *, model=None, ctx=N
         print(f"kvlocal serve: {message}", file=sys.stderr, flush=True)
     ring = KeyRing.parse(keys, catalog)
     session = Session(model, n_ctx=ctx, threads=threads, kv_type=kv_type, answers=answers,
-                      centroid_block=centroid_block, centroid_type=centroid_type)
+                      centroid_block=centroid_block, centroid_type=centroid_type, placement=placement)
     scheduler = Scheduler(session, queue_size=queue, max_kv=max_kv, audit=audit, route=route,
                           shelf=shelf_documents(session, catalog, max_kv))
     return ServerState(scheduler, catalog, ring, limits, session.model.path.stem)
