@@ -36,6 +36,7 @@ from kvlocal.cli_options import (
     OtherAttentionOpt,
     OutOpt,
     ParaphraseOpt,
+    HereOpt,
     PlainLoopOpt,
     PlotsOpt,
     PrefillFromOpt,
@@ -310,12 +311,13 @@ def bench_document(
     prefill_lengths: PrefillLengthsOpt = "8k,16k,32k",
     prefilling: PrefillOptions = PrefillOptions(),
     distributed: RpcOptions = RpcOptions(),
+    here: HereOpt = True,
 ) -> None:
     """Decode speed of geometric vs full on the same prefilled state, dense vs routed prefill, memory, and time to first token.
 
-    With --rpc the same answers are first decoded with every layer on this machine (the documents are
-    prefilled and cached there), so one run reports what the servers cost: tok/s here and over RPC, and
-    the bytes each answer step sent and received over the servers' connections."""
+    With --rpc the same answers are first decoded with every layer on this machine (unless --no-here; the
+    documents are prefilled and cached there), so one run reports what the servers cost: tok/s here and
+    over RPC, and the bytes each answer step sent and received over the servers' connections."""
     import json
 
     from kvlocal.atomic import write_text_atomic
@@ -332,15 +334,15 @@ def bench_document(
         common.check_out_file(out)
     placement = distributed.config()
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
-    here = None
-    if placement is not None:
+    here_runs = None
+    if placement is not None and here:
         # the same answers with every layer on this machine first, so the report holds what the servers
         # cost in this run (the documents are prefilled here, where it is faster, and cached for them)
         check_servers(placement)  # an unreachable server: one line before any work
         log("bench: every layer on this machine first")
         local = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
         common.check_lengths_fit(local, context_lengths)
-        here = b.bench_lengths(local, context_lengths, route, n_tokens=tokens, log=log)
+        here_runs = b.bench_lengths(local, context_lengths, route, n_tokens=tokens, log=log)
         local.close()
         log(f"bench: layers split with {', '.join(map(str, placement.servers))}")
     session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
@@ -351,7 +353,7 @@ def bench_document(
     prefills = b.bench_prefill(session, prefill_context, prefill_cfg, log=log)
     small = make_case(session, "passkey", 4096, [0.5], 1) if ttft or upkeep else None  # the 4k document
     first_token = b.time_to_first_token(session, small.text, route, small.probes[0].question) if ttft else {}
-    report = b.document_report(session, results, route, prefill_cfg, prefills, first_token, here)
+    report = b.document_report(session, results, route, prefill_cfg, prefills, first_token, here_runs)
     session.close()
     if upkeep:
         report["centroid_upkeep"] = b.centroid_upkeep_share(model, small.text, threads, routing.centroid_block)
@@ -373,11 +375,13 @@ def bench_library(
     out: OutOpt = None,
     routing: RouteOptions = RouteOptions(),
     distributed: RpcOptions = RpcOptions(),
+    here: HereOpt = True,
 ) -> None:
     """Sets of N documents readied from their cached states, then decoded full and geometric back to back.
 
-    With --rpc each set is first decoded with every layer on this machine, then with the layers split
-    over the servers: tok/s here and over RPC, and the bytes each answer step put on the wire."""
+    With --rpc each set is first decoded with every layer on this machine (unless --no-here), then with
+    the layers split over the servers: tok/s here and over RPC, and the bytes each answer step put on the
+    wire."""
     import json
 
     from kvlocal.atomic import write_text_atomic
@@ -394,15 +398,15 @@ def bench_library(
         common.check_out_file(out)
     placement = distributed.config()
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
-    here = None
-    if placement is not None:
+    here_runs = None
+    if placement is not None and here:
         # the same sets with every layer on this machine first (bench document's reason)
         check_servers(placement)
         log("bench library: every layer on this machine first")
         local = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
         check_composable(local)
         common.check_lengths_fit(local, length_list)
-        here = b.bench_library(local, size_list, length_list[0], route, n_tokens=tokens, seed=set_seed, log=log)
+        here_runs = b.bench_library(local, size_list, length_list[0], route, n_tokens=tokens, seed=set_seed, log=log)
         local.close()
         log(f"bench library: layers split with {', '.join(map(str, placement.servers))}")
     session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
@@ -410,7 +414,7 @@ def bench_library(
     check_composable(session)
     common.check_lengths_fit(session, length_list)
     results = b.bench_library(session, size_list, length_list[0], route, n_tokens=tokens, seed=set_seed, log=log)
-    report = b.library_report(session, results, route, set_seed, here)
+    report = b.library_report(session, results, route, set_seed, here_runs)
     session.close()
     print(bench_text(report))
     if out:

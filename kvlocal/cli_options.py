@@ -114,6 +114,10 @@ TtftOpt = Annotated[bool, typer.Option(
 ControlsOpt = Annotated[bool, typer.Option("--controls", help="Also time the window and random routes at the geometric route's budget.")]
 PlainLoopOpt = Annotated[bool, typer.Option(
     "--plain-loop", help="Also time llama.cpp's own dense decoding loop on the same state (the reference for kvlocal's loop).")]
+HereOpt = Annotated[bool, typer.Option(
+    "--here/--no-here", rich_help_panel=DISTRIBUTED,
+    help="With --rpc: first decode the same answers with every layer on this machine, for the cost of the servers "
+         "in one run (this machine must hold the whole model and its KV cache then).")]
 OtherAttentionOpt = Annotated[bool, typer.Option(
     "--other-attention", help="Also time the geometric route read by the other attention path than --attention's "
     "(in place, or gathered).")]

@@ -294,6 +294,14 @@ def test_bench_over_rpc_times_the_same_answers_here_first_and_counts_the_wire(se
     assert "| every layer here: full / geometric tok/s | over RPC, x here: full / geometric |" in result.stdout
     report_module.main(["--decode", str(out)])  # the table again, from the file
     assert capsys.readouterr().out.strip() in result.stdout
+    # --no-here: the servers only (a library this machine could not hold alone)
+    alone = bench(tmp_path / "cache", model4, "document", "--prefill-lengths", "none", "--no-upkeep", "--no-ttft",
+                  "--rpc", rpc_list(servers), "--no-here", "--out", str(out))
+    assert alone.returncode == 0, alone.stderr
+    assert "every layer on this machine" not in alone.stderr and "tokens (cache hit)" in alone.stderr
+    [row] = json.loads(out.read_text())["lengths"]
+    assert "here_full_tps" not in row and row["full_wire_per_step"] > 0
+    assert "every layer here" not in alone.stdout
     assert re.search(r"\| [\d.]+ / [\d.]+ \| [\d.]+x / [\d.]+x \|$", result.stdout, re.M), result.stdout
 
 
