@@ -262,9 +262,13 @@ def test_serve_over_rpc_answers_as_ask_does_here(servers, model4, docs, tmp_path
                        placement=placement(rpc_list(servers), "1,2,2"))
     body = {"model": "kvlocal", "max_tokens": 8, "documents": [docs[0].name],
             "messages": [{"role": "user", "content": QUESTION}]}
-    with serving_in_thread(state) as port:
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
-        where = state.scheduler.worker.session.layer_placement()
+    session = state.scheduler.worker.session
+    try:
+        with serving_in_thread(state) as port:
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+            where = session.layer_placement()
+    finally:
+        session.close()  # the servers serve one client at a time: the next tests' turn
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["content"] == here.stdout.rstrip("\n")
     assert f"1-2 on {servers[0]} (RPC" in where and f"3 and the output on {servers[1]} (RPC" in where, where
