@@ -293,6 +293,25 @@ def eval_library(
 # -- bench --------------------------------------------------------------------------------------
 
 
+def _here_first(placement, here: bool, label: str, log, measure, open_local):
+    """With --rpc (and --here): `measure` run on a session of `open_local()` with every layer on this
+    machine, before the servers' run, so that one report holds what the servers cost (the documents are
+    prefilled here, where it is faster, and cached for the servers' run); None otherwise."""
+    if placement is None or not here:
+        return None
+    from kvlocal.rpc import check_servers
+
+    check_servers(placement)  # an unreachable server: one line before any work
+    log(f"{label}: every layer on this machine first")
+    local = open_local()
+    try:
+        measured = measure(local)
+    finally:
+        local.close()
+    log(f"{label}: layers split with {', '.join(map(str, placement.servers))}")
+    return measured
+
+
 @bench_app.command("document")
 @handles_errors
 @option_groups
@@ -324,7 +343,6 @@ def bench_document(
     from kvlocal.evals import bench as b
     from kvlocal.evals.report import bench_text
     from kvlocal.evals.runner import make_case
-    from kvlocal.rpc import check_servers
 
     route = routing.config("geometric")
     context_lengths = parse_lengths(lengths)
@@ -334,17 +352,14 @@ def bench_document(
         common.check_out_file(out)
     placement = distributed.config()
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
-    here_runs = None
-    if placement is not None and here:
-        # the same answers with every layer on this machine first, so the report holds what the servers
-        # cost in this run (the documents are prefilled here, where it is faster, and cached for them)
-        check_servers(placement)  # an unreachable server: one line before any work
-        log("bench: every layer on this machine first")
-        local = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+
+    def measure_here(local):
         common.check_lengths_fit(local, context_lengths)
-        here_runs = b.bench_lengths(local, context_lengths, route, n_tokens=tokens, log=log)
-        local.close()
-        log(f"bench: layers split with {', '.join(map(str, placement.servers))}")
+        return b.bench_lengths(local, context_lengths, route, n_tokens=tokens, log=log)
+
+    here_runs = _here_first(placement, here, "bench", log, measure_here,
+                            lambda: common.open_session(model, None, threads, "f16", routing.centroid_block,
+                                                        routing.centroid_type))
     session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
                                   placement)
     common.check_lengths_fit(session, context_lengths + prefill_context)
@@ -388,7 +403,6 @@ def bench_library(
     from kvlocal.evals import bench as b
     from kvlocal.evals.library_report import bench_text
     from kvlocal.library import check_composable
-    from kvlocal.rpc import check_servers
 
     route = routing.config("geometric")
     size_list, length_list = _library_sizes(sizes, 1), parse_lengths(lengths)
@@ -398,17 +412,15 @@ def bench_library(
         common.check_out_file(out)
     placement = distributed.config()
     log = lambda line: err(f"kvlocal: {line}")  # noqa: E731
-    here_runs = None
-    if placement is not None and here:
-        # the same sets with every layer on this machine first (bench document's reason)
-        check_servers(placement)
-        log("bench library: every layer on this machine first")
-        local = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+
+    def measure_here(local):
         check_composable(local)
         common.check_lengths_fit(local, length_list)
-        here_runs = b.bench_library(local, size_list, length_list[0], route, n_tokens=tokens, seed=set_seed, log=log)
-        local.close()
-        log(f"bench library: layers split with {', '.join(map(str, placement.servers))}")
+        return b.bench_library(local, size_list, length_list[0], route, n_tokens=tokens, seed=set_seed, log=log)
+
+    here_runs = _here_first(placement, here, "bench library", log, measure_here,
+                            lambda: common.open_session(model, None, threads, "f16", routing.centroid_block,
+                                                        routing.centroid_type))
     session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type,
                                   placement)
     check_composable(session)

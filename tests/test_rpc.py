@@ -296,6 +296,7 @@ def test_bench_over_rpc_times_the_same_answers_here_first_and_counts_the_wire(se
     for route in ("full", "geometric"):  # every step sends its graph and receives the logits
         assert 0 < row[f"{route}_wire_sent_per_step"] < row[f"{route}_wire_per_step"]
     assert "| every layer here: full / geometric tok/s | over RPC, x here: full / geometric |" in result.stdout
+    assert re.search(r"\| [\d.]+ / [\d.]+ \| [\d.]+x / [\d.]+x \|$", result.stdout, re.M), result.stdout
     report_module.main(["--decode", str(out)])  # the table again, from the file
     assert capsys.readouterr().out.strip() in result.stdout
     # --no-here: the servers only (a library this machine could not hold alone)
@@ -306,7 +307,6 @@ def test_bench_over_rpc_times_the_same_answers_here_first_and_counts_the_wire(se
     [row] = json.loads(out.read_text())["lengths"]
     assert "here_full_tps" not in row and row["full_wire_per_step"] > 0
     assert "every layer here" not in alone.stdout
-    assert re.search(r"\| [\d.]+ / [\d.]+ \| [\d.]+x / [\d.]+x \|$", result.stdout, re.M), result.stdout
 
 
 def test_bench_library_over_rpc_reports_the_set_here_and_over_the_wire(servers, model4, tmp_path, capsys):

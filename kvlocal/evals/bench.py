@@ -262,10 +262,9 @@ def machine_fields(session: Session) -> dict:
     }
 
 
-def here_fields(runs: dict[str, DecodeRun], here: dict[str, DecodeRun] | None) -> dict:
-    """A row's fields of the same answers decoded with every layer on this machine, in the run that put
-    layers on RPC servers (empty without such a run): full's and geometric's rates here, and what crossed
-    the wire per answer step over RPC."""
+def rpc_fields(runs: dict[str, DecodeRun], here: dict[str, DecodeRun] | None) -> dict:
+    """A row's fields of a run that put layers on RPC servers (none otherwise): what crossed the wire per
+    answer step, and with `here` the same answers' rates with every layer on this machine."""
     full, geo = runs["full"], runs["geometric"]
     row = {}
     if full.wire_per_step or geo.wire_per_step:  # layers on RPC servers: what crossed the wire per answer step
@@ -292,7 +291,7 @@ def length_fields(result: LengthResult, weights_bytes: int, here: LengthResult |
             row[f"{mode}_tps"] = run.rate
             row[f"{mode}_speedup"] = run.rate / full.rate if full.rate else 0.0
             row[f"{mode}_ceiling"] = read_ceiling(weights_bytes, run, full)
-    row.update(here_fields(result.runs, here.runs if here else None))
+    row.update(rpc_fields(result.runs, here.runs if here else None))
     if PLAIN_LOOP in result.runs:
         row["plain_loop_tps"] = result.runs[PLAIN_LOOP].rate
         row["full_vs_plain_loop"] = full.rate / row["plain_loop_tps"] if row["plain_loop_tps"] else 0.0
@@ -330,7 +329,7 @@ def library_report(session: Session, results: list[SetBench], route: RouteConfig
                      "geometric_tps": r.runs["geometric"].rate, "speedup": r.speedup,
                      "bytes_reduction": r.runs["geometric"].bytes_dense / max(1, r.runs["geometric"].bytes_read),
                      "geometric_route": r.runs["geometric"].route,
-                     **here_fields(r.runs, h.runs if h else None)}
+                     **rpc_fields(r.runs, h.runs if h else None)}
                     for r, h in zip(results, here or [None] * len(results))],
         "peak_rss_bytes": peak_rss_bytes(),
     }

@@ -15,15 +15,7 @@ from pathlib import Path
 from statistics import mean, median
 
 from kvlocal.evals.library_runner import ALONE, CONCAT, SET, library_row
-from kvlocal.evals.report import (
-    WIRE_HEAD,
-    _accuracy,
-    _interval_text,
-    _mode_rank,
-    answer_reduction,
-    here_cells,
-    wire_cell,
-)
+from kvlocal.evals.report import _accuracy, _interval_text, _mode_rank, answer_reduction, rpc_cells, rpc_heads
 from kvlocal.evals.runner import hint_rule, load_rows, question_pass
 from kvlocal.hints import RULE as HINT_RULE
 from kvlocal.route_settings import DEFAULT_QUESTION
@@ -156,10 +148,7 @@ def bench_text(report: dict) -> str:
     """What `kvlocal bench library` prints of its report: a row per set, the route geometric took where it
     was not the one asked for, and the peak memory."""
     rows = report["library"]
-    wire = bool(rows) and "full_wire_per_step" in rows[0]
-    here = bool(rows) and "here_full_tps" in rows[0]
-    extra = ([WIRE_HEAD] if wire else []) + (
-        ["every layer here: full / geometric tok/s", "over RPC, x here: full / geometric"] if here else [])
+    extra = rpc_heads(rows)
     lines = [f"model {report['model']}, {report['threads']} threads, route {report['route']}",
              *([report["placement"]] if report.get("placement") else []),
              "| set | cells | layout | KV bytes | ready from the cache | full tok/s | geometric tok/s | speedup "
@@ -168,11 +157,7 @@ def bench_text(report: dict) -> str:
     for r in rows:
         cells = [f"{r['n_documents']} x {r['length'] // 1024}k", f"{r['n_cells']:,}", r["layout"], human_bytes(r["kv_bytes"]),
                  f"{r['ready_s']:.1f} s", f"{r['full_tps']:.2f}", f"{r['geometric_tps']:.2f}", f"{r['speedup']:.2f}x",
-                 f"{r['bytes_reduction']:.1f}x"]
-        if wire:
-            cells.append(wire_cell(r))
-        if here:
-            cells += here_cells(r)
+                 f"{r['bytes_reduction']:.1f}x", *rpc_cells(r)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [f"geometric over {r['n_documents']} documents took the route {r['geometric_route']}"
               for r in report["library"] if r["geometric_route"] != report["route"]]

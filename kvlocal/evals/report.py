@@ -560,24 +560,29 @@ def bench_markdown(runs: list[tuple[str, dict]]) -> str:
 ATTENTION_LABELS = {"gather": "geometric, gathered", "in-place": "geometric, in place"}
 
 
-WIRE_HEAD = "RPC wire bytes per step (sent + received), full / geometric"
+def rpc_heads(rows: list[dict]) -> list[str]:
+    """The columns a bench report's rows have when its layers were on RPC servers: what crossed the wire
+    per answer step, and the same answers' rates with every layer here (none without servers)."""
+    heads = ["RPC wire bytes per step (sent + received), full / geometric"] if rows and "full_wire_per_step" in rows[0] else []
+    if rows and "here_full_tps" in rows[0]:
+        heads += ["every layer here: full / geometric tok/s", "over RPC, x here: full / geometric"]
+    return heads
 
 
-def wire_cell(row: dict) -> str:
-    """What a bench row's answer steps put on the RPC servers' connections: each route's bytes per step,
-    split into sent and received where the row has the split."""
-    def one(route: str) -> str:
-        total = row[f"{route}_wire_per_step"]
-        sent = row.get(f"{route}_wire_sent_per_step")
-        return human_bytes(total) if sent is None else f"{human_bytes(total)} ({human_bytes(sent)} + {human_bytes(total - sent)})"
-    return f"{one('full')} / {one('geometric')}"
-
-
-def here_cells(row: dict) -> list[str]:
-    """A bench row's rates with every layer on this machine, and the RPC run's rates as a share of them."""
-    full = row["full_tps"] / row["here_full_tps"] if row["here_full_tps"] else 0.0
-    geo = row["geometric_tps"] / row["here_geometric_tps"] if row["here_geometric_tps"] else 0.0
-    return [f"{row['here_full_tps']:.2f} / {row['here_geometric_tps']:.2f}", f"{full:.2f}x / {geo:.2f}x"]
+def rpc_cells(row: dict) -> list[str]:
+    """A bench row's cells under rpc_heads: each route's wire bytes per step (sent + received where the
+    row has the split), the rates here and the RPC run's rates as a share of them."""
+    cells = []
+    if "full_wire_per_step" in row:
+        def wire(route: str) -> str:
+            total, sent = row[f"{route}_wire_per_step"], row.get(f"{route}_wire_sent_per_step")
+            return human_bytes(total) if sent is None else f"{human_bytes(total)} ({human_bytes(sent)} + {human_bytes(total - sent)})"
+        cells.append(f"{wire('full')} / {wire('geometric')}")
+    if "here_full_tps" in row:
+        full = row["full_tps"] / row["here_full_tps"] if row["here_full_tps"] else 0.0
+        geo = row["geometric_tps"] / row["here_geometric_tps"] if row["here_geometric_tps"] else 0.0
+        cells += [f"{row['here_full_tps']:.2f} / {row['here_geometric_tps']:.2f}", f"{full:.2f}x / {geo:.2f}x"]
+    return cells
 
 
 def decode_table(report: dict) -> str:
@@ -585,12 +590,9 @@ def decode_table(report: dict) -> str:
     rows = report["lengths"]
     controls = [m for m in (*ATTENTION_LABELS, "window", "random") if rows and f"{m}_tps" in rows[0]]
     plain = bool(rows) and "plain_loop_tps" in rows[0]
-    wire = bool(rows) and "full_wire_per_step" in rows[0]
     head = ["context", "KV bytes", "full tok/s", "geometric tok/s", "speedup (ceiling)", "KV bytes read, reduction"]
     head += [f"{ATTENTION_LABELS.get(m, m)} tok/s (x full)" for m in controls] + (["llama.cpp loop tok/s (full / it)"] if plain else [])
-    head += [WIRE_HEAD] if wire else []
-    here = bool(rows) and "here_full_tps" in rows[0]
-    head += ["every layer here: full / geometric tok/s", "over RPC, x here: full / geometric"] if here else []
+    head += rpc_heads(rows)
     lines = [f"model {report['model']} ({report.get('weights', '?')}), {report.get('backend', 'CPU')} "
              f"{report.get('device', '')}".rstrip() + f", {report['threads']} threads, route {report['route']}",
              *([report["placement"]] if report.get("placement") else []),
@@ -601,10 +603,7 @@ def decode_table(report: dict) -> str:
         cells += [f"{r[f'{m}_tps']:.2f} ({r[f'{m}_speedup']:.2f}x)" for m in controls]
         if plain:
             cells.append(f"{r['plain_loop_tps']:.2f} ({r['full_vs_plain_loop']:.2f}x)")
-        if wire:
-            cells.append(wire_cell(r))
-        if here:
-            cells += here_cells(r)
+        cells += rpc_cells(r)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
