@@ -26,7 +26,7 @@ pytestmark = pytest.mark.engine
 
 from kvlocal import kvstate  # noqa: E402
 from kvlocal.cli_options import RouteOptions  # noqa: E402
-from kvlocal.ingest import Document  # noqa: E402
+from kvlocal.ingest import Document, read_bytes  # noqa: E402
 from kvlocal.library import load_set  # noqa: E402
 from kvlocal.route_settings import DEFAULT_MODE  # noqa: E402
 from kvlocal.serve.command import check_host, open_state, serving_in_thread  # noqa: E402
@@ -188,6 +188,19 @@ def test_message_text_is_the_document_when_nothing_else_is(server, tiny_model):
     assert reply["choices"][0]["message"]["content"] == session_answer(
         tiny_model, [Document(DOCS["charlie"], "message 1", "txt")], "what does charlie4 hold?", 5)
 
+
+
+def test_one_message_of_lines_is_a_document_then_its_question(server, tiny_model):
+    """RULER's client (and a chat box with a pasted document) sends one user message: the lines before its
+    last are the document, the last line is the question, answered as the two are answered apart."""
+    body = {"max_tokens": 5, "messages": [{"role": "user",
+                                           "content": DOCS["charlie"] + "\n\nwhat does charlie4 hold?\n \n"}]}
+    reply = server.post(body).json()
+    assert [d["document"] for d in reply["kv_reads"]["documents"]] == ["message text"]
+    assert reply["choices"][0]["message"]["content"] == session_answer(
+        tiny_model, [read_bytes(DOCS["charlie"].encode() + b"\n", "message text", "txt")], "what does charlie4 hold?", 5)
+    blank_before = server.post({"messages": [{"role": "user", "content": "  \n\nwhat does charlie4 hold?"}]})
+    assert blank_before.status_code == 400 and "no document" in blank_before.json()["error"]["message"]
 
 # -- isolation -----------------------------------------------------------------------------------------
 

@@ -4,8 +4,10 @@ Where the documents of a request come from (README "Serve"): `file` content part
 URL or bare), the names in the extension field `documents` (what the server was started with), and,
 when the request has neither, the text of its system messages, of its earlier user messages and of
 the last user message's text parts before its last one. The question is the last user message's
-last text part. Assistant and tool messages are left out: each question is answered afresh from the
-documents.
+last text part. A request that is one text and nothing else (a single user message, as RULER's
+client and most chat clients send a pasted document with its question) has the lines before its
+last line as the document and its last line as the question. Assistant and tool messages are left
+out: each question is answered afresh from the documents.
 """
 
 from __future__ import annotations
@@ -114,9 +116,22 @@ def parse_request(raw: bytes, limits: Limits) -> ChatRequest:
     if not req.uploads and not req.named:
         req.uploads = texts  # the messages' text is the document only where nothing else is
     if not req.uploads and not req.named:
+        req.uploads = _lines_before_the_question(req, f"messages[{len(messages) - 1}].content", limits)
+    if not req.uploads and not req.named:
         raise ApiError(400, "no document: attach a file content part, name a document in 'documents', or give "
-                       "the document as a message's text before the question", param="messages")
+                       "the document as a message's text (or as lines) before the question", param="messages")
     return req
+
+
+def _lines_before_the_question(req: ChatRequest, where: str, limits: Limits) -> list[Upload]:
+    """A request of one text: its last non-blank line stays the question, the lines before it are the
+    document (none where there is one line)."""
+    text = req.question.rstrip()
+    cut = text.rfind("\n")
+    if cut < 0 or not text[:cut].strip():
+        return []
+    req.question = text[cut + 1:]
+    return [_text_document(text[:cut], "message text", where, limits)]
 
 
 def _read_messages(messages: list, req: ChatRequest, limits: Limits) -> list[Upload]:
