@@ -96,7 +96,8 @@ DepthsOpt = Annotated[int, typer.Option(
     "--depths", min=2, max=MAX_DEPTHS, help="Facts per haystack, planted from 0% to 100% depth (the lab leaves out "
     "facts in the sinks or the window).")]
 TasksOpt = Annotated[str, typer.Option("--tasks", help=(
-    "Comma-separated. eval grid and the lab: passkey,multikey,lookalike,onekey,multivalue,multiquery,vartrack,cwe; "
+    "Comma-separated. eval grid and the lab: "
+    "passkey,multikey,lookalike,onekey,multivalue,multiquery,vartrack,cwe,manifest,tray; "
     "eval ruler: all, or niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, vt, cwe, fwe, "
     "qa_1, qa_2."))]
 SeedsOpt = Annotated[str, typer.Option("--seeds", help="Haystack seeds.")]

@@ -70,7 +70,7 @@ def test_answers_planted_at_their_depth(task: str, seed: int) -> None:
 def test_probe_counts_and_groups() -> None:
     count = {t: len(build_case(t, 2048, DEPTHS, seed=0, count_tokens=words).probes) for t in TASKS}
     assert count == {"passkey": 11, "multikey": 11, "lookalike": 11, "onekey": 11, "multivalue": 3, "multiquery": 11,
-                     "vartrack": 3, "cwe": 1}
+                     "vartrack": 3, "cwe": 1, "manifest": 11, "tray": 11}
     mv = build_case("multivalue", 2048, DEPTHS, seed=0, count_tokens=words)
     assert sorted(len(p.answers) for p in mv.probes) == [3, 4, 4]
     assert [p.depth for p in mv.probes] == [0.0, 0.1, 0.2]  # groups interleave, so each spans the text
@@ -192,6 +192,36 @@ def test_onekey_shape_follows_the_seed() -> None:
         build_case("onekey", 8192, [i / 40 for i in range(41)], seed=2, count_tokens=words)
 
 
+
+TAG = re.compile(r"[A-Z]{2}-\d{5}")
+
+
+@pytest.mark.parametrize("task", ["manifest", "tray"])
+@pytest.mark.parametrize("seed", range(3))
+def test_held_apart_families_are_one_sentence_with_one_key_word_changed(task: str, seed: int) -> None:
+    from kvlocal.evals.tasks import ONEKEY_SHAPES
+
+    depths = [0.9, 0.1, 0.5, 0.3, 0.7, 0.0, 1.0, 0.2, 0.8, 0.4, 0.6]
+    case = build_case(task, 4096, depths, seed=seed, count_tokens=words)
+    assert [p.depth for p in case.probes] == depths and all(p.task == task for p in case.probes)
+    codes = [p.answers[0] for p in case.probes]
+    assert len(set(codes)) == len(codes) and all(TAG.fullmatch(c) for c in codes)
+    facts = [s for s in re.split(r"(?<=[.!?])\s+", " ".join(case.text.split())) if TAG.search(s)]
+    in_text_order = sorted(case.probes, key=lambda p: p.depth)
+    assert [f.split()[-1] for f in facts] == [f"{p.answers[0]}." for p in in_text_order]
+    for code in codes:
+        assert whole(code, case.text) == 1 and whole(code.split("-")[1], case.text) == 1
+    templates = [f.replace(p.answers[0], "CODE") for f, p in zip(facts, in_text_order)]
+    for i in range(1, len(facts)):
+        [(_, key)] = differing_words(templates[0], templates[i])
+        assert whole(key, case.text) == 1
+    # two letter pairs, and siblings that share their first four digits ("KT-40917", "KT-40913")
+    assert len({c[:2] for c in codes}) <= 2
+    assert max(Counter(c[3:7] for c in codes).values()) >= 2
+    # apart from the onekey shapes: no key in common
+    keys = {differing_words(templates[0], t)[0][1] for t in templates[1:]}
+    assert not keys & {k for shape in ONEKEY_SHAPES for k in shape[2]}
+
 def test_onekey_answers_are_checked_exactly() -> None:
     case = build_case("onekey", 2048, [0.3, 0.6], seed=0, count_tokens=words)
     for probe in case.probes:
@@ -293,7 +323,7 @@ def test_filler_mode_uses_given_text(task: str) -> None:
     assert 0.95 * 2048 <= words(case.text) <= 1.03 * 2048
     stripped = VAR.sub("", MAGIC.sub("", case.text))
     for probe in case.probes:  # passkey and lookalike facts are sentences of their own
-        if task in ("passkey", "lookalike", "onekey"):
+        if task in ("passkey", "lookalike", "onekey", "manifest", "tray"):
             stripped = re.sub(r"[^.]*\b" + re.escape(probe.answers[0]) + r"\b[^.]*\.", "", stripped)
     sentences = set(re.split(r"(?<=[.!?])\s+", " ".join(FILLER.split())))
     for s in re.split(r"(?<=[.!?])\s+", " ".join(stripped.split())):

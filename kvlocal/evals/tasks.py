@@ -16,7 +16,7 @@ from functools import partial
 
 from kvlocal.evals.haystack import build_haystack
 
-TASKS = ("passkey", "multikey", "lookalike", "onekey", "multivalue", "multiquery", "vartrack", "cwe")
+TASKS = ("passkey", "multikey", "lookalike", "onekey", "multivalue", "multiquery", "vartrack", "cwe", "manifest", "tray")
 
 
 @dataclass(frozen=True)
@@ -244,18 +244,50 @@ ONEKEY_PARAPHRASES = (
 )
 
 
-def _onekey(rng, depths, shape):
+def _onekey(rng, depths, shape, task="onekey", make_codes=_codes):
     """One fact per depth, all the same sentence with only its key word changed, with codes that
     share their word and often their first digits; each fact asked once."""
     fact, question, all_keys = shape
     if len(depths) > len(all_keys):
         raise ValueError(f"at most {len(all_keys)} depths per case for this task (got {len(depths)})")
     keys = rng.sample(all_keys, len(depths))
-    codes, numbers = _codes(rng, len(depths))
+    codes, numbers = make_codes(rng, len(depths))
     needles = [(d, fact.format(key=k, code=c)) for d, k, c in zip(depths, keys, codes)]
-    probes = [Probe("onekey", question.format(key=k) + " Answer with the code only.", (c,), d)
+    probes = [Probe(task, question.format(key=k) + " Answer with the code only.", (c,), d)
               for d, k, c in zip(depths, keys, codes)]
     return needles, probes, sorted(numbers) + keys  # the filler neither repeats a code nor names a key
+
+
+def _tag_codes(rng: random.Random, n: int) -> tuple[list[str], set[str]]:
+    """`n` distinct codes like "KT-40917": one of two letter pairs for the case and 5 digits, about
+    half of them a sibling of an earlier code that shares its first four digits ("KT-40913")."""
+    pairs = ["".join(rng.sample(string.ascii_uppercase, 2)) for _ in range(2)]
+    numbers: set = set()
+    codes: list[str] = []
+
+    def digits() -> str:
+        stem = rng.choice(codes).split("-")[1][:4] if codes and rng.random() < 0.5 else str(rng.randint(1000, 9999))
+        return stem + str(rng.randint(0, 9))
+
+    for _ in range(n):
+        codes.append(f"{rng.choice(pairs)}-{_draw(rng, numbers, digits)}")
+    return codes, numbers
+
+
+# two more one-word look-alike families, kept apart from the ones routing rules are chosen on (onekey,
+# lookalike) to check a rule on facts it was not chosen on: other sentences, keys and code shapes
+_SHIPS = tuple(("Albatross|Boreas|Calypso|Dauntless|Endeavour|Fairwind|Galatea|Halcyon|Intrepid|Juniper|Kestrel"
+                "|Lodestar|Meridian|Nautilus|Osprey|Peregrine|Quickstep|Resolute|Seaford|Tempest|Undaunted|Valiant"
+                "|Wayfarer|Xanthe|Yarrow|Zephyr|Argonaut|Bluebell|Corsair|Dolphin|Egret|Falmouth|Gannet|Heron"
+                "|Islander|Jubilee|Kittiwake|Lapwing|Marlin|Northstar").split("|"))
+_PLANTS = tuple(("foxglove|yarrow|borage|chicory|lovage|sorrel|tansy|valerian|woad|betony|comfrey|feverfew"
+                 "|hyssop|lungwort|mallow|motherwort|mugwort|orache|purslane|rampion|samphire|skirret|soapwort"
+                 "|speedwell|stitchwort|teasel|toadflax|vervain|agrimony|bugloss|campion|celandine|clary|dittany"
+                 "|elecampane|fumitory|goldenrod|horehound|knapweed|meadowsweet").split("|"))
+MANIFEST_SHAPE = ("The supply ship {key} left the harbour carrying cargo manifest {code}.",
+                  "Which cargo manifest was the supply ship {key} carrying when it left the harbour?", _SHIPS)
+TRAY_SHAPE = ("In the north greenhouse, the seed tray of {key} is labelled with batch {code}.",
+              "Which batch is the seed tray of {key} in the north greenhouse labelled with?", _PLANTS)
 
 
 def _multivalue(rng, depths):
@@ -312,7 +344,9 @@ def _vartrack(rng, depths):
 
 
 _PLANTERS = {"passkey": _passkey, "multikey": _multikey, "lookalike": _lookalike,
-             "multivalue": _multivalue, "multiquery": _multiquery, "vartrack": _vartrack}
+             "multivalue": _multivalue, "multiquery": _multiquery, "vartrack": _vartrack,
+             "manifest": partial(_onekey, shape=MANIFEST_SHAPE, task="manifest", make_codes=_tag_codes),
+             "tray": partial(_onekey, shape=TRAY_SHAPE, task="tray", make_codes=_tag_codes)}
 
 
 def _cwe(n_tokens: int, seed: int, count_tokens: Callable[[str], int]) -> Case:
