@@ -192,7 +192,6 @@ def test_onekey_shape_follows_the_seed() -> None:
         build_case("onekey", 8192, [i / 40 for i in range(41)], seed=2, count_tokens=words)
 
 
-
 TAG = re.compile(r"[A-Z]{2}-\d{5}")
 
 
@@ -221,6 +220,7 @@ def test_held_apart_families_are_one_sentence_with_one_key_word_changed(task: st
     # apart from the onekey shapes: no key in common
     keys = {differing_words(templates[0], t)[0][1] for t in templates[1:]}
     assert not keys & {k for shape in ONEKEY_SHAPES for k in shape[2]}
+
 
 def test_onekey_answers_are_checked_exactly() -> None:
     case = build_case("onekey", 2048, [0.3, 0.6], seed=0, count_tokens=words)

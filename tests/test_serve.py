@@ -189,7 +189,6 @@ def test_message_text_is_the_document_when_nothing_else_is(server, tiny_model):
         tiny_model, [Document(DOCS["charlie"], "message 1", "txt")], "what does charlie4 hold?", 5)
 
 
-
 def test_one_message_of_lines_is_a_document_then_its_question(server, tiny_model):
     """RULER's client (and a chat box with a pasted document) sends one user message: the lines before its
     last are the document, the last line is the question, answered as the two are answered apart."""
@@ -201,6 +200,7 @@ def test_one_message_of_lines_is_a_document_then_its_question(server, tiny_model
         tiny_model, [read_bytes(DOCS["charlie"].encode() + b"\n", "message text", "txt")], "what does charlie4 hold?", 5)
     blank_before = server.post({"messages": [{"role": "user", "content": "  \n\nwhat does charlie4 hold?"}]})
     assert blank_before.status_code == 400 and "no document" in blank_before.json()["error"]["message"]
+
 
 # -- isolation -----------------------------------------------------------------------------------------
 

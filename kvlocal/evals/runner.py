@@ -22,8 +22,8 @@ from kvlocal.session import ANSWER_RESERVE, Session
 
 
 # answer room per task: Qwen writes numbers digit by digit, and some tasks ask for several
-ANSWER_TOKENS = {"passkey": 24, "multikey": 24, "lookalike": 24, "onekey": 24, "multiquery": 40, "vartrack": 48,
-                 "multivalue": 64, "cwe": 80}
+ANSWER_TOKENS = {"passkey": 24, "multikey": 24, "lookalike": 24, "onekey": 24, "manifest": 24, "tray": 24,
+                 "multiquery": 40, "vartrack": 48, "multivalue": 64, "cwe": 80}
 DEFAULT_DEPTHS = tuple(round(i / 10, 1) for i in range(11))
 
 

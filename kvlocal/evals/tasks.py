@@ -245,8 +245,8 @@ ONEKEY_PARAPHRASES = (
 
 
 def _onekey(rng, depths, shape, task="onekey", make_codes=_codes):
-    """One fact per depth, all the same sentence with only its key word changed, with codes that
-    share their word and often their first digits; each fact asked once."""
+    """One fact per depth, all the same sentence with only its key word changed, with codes from
+    `make_codes` that share their letters and often their first digits; each fact asked once."""
     fact, question, all_keys = shape
     if len(depths) > len(all_keys):
         raise ValueError(f"at most {len(all_keys)} depths per case for this task (got {len(depths)})")

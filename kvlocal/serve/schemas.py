@@ -114,9 +114,8 @@ def parse_request(raw: bytes, limits: Limits) -> ChatRequest:
     req.named = _names(body.get("documents"))
     texts = _read_messages(messages, req, limits)
     if not req.uploads and not req.named:
-        req.uploads = texts  # the messages' text is the document only where nothing else is
-    if not req.uploads and not req.named:
-        req.uploads = _lines_before_the_question(req, f"messages[{len(messages) - 1}].content", limits)
+        # the messages' text is the document only where nothing else is; one text alone, its lines
+        req.uploads = texts or _lines_before_the_question(req, f"messages[{len(messages) - 1}].content", limits)
     if not req.uploads and not req.named:
         raise ApiError(400, "no document: attach a file content part, name a document in 'documents', or give "
                        "the document as a message's text (or as lines) before the question", param="messages")

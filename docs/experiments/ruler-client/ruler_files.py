@@ -22,7 +22,10 @@ from kvlocal.cli_options import lengths
 from kvlocal.evals import ruler
 from kvlocal.evals.intervals import wilson_interval
 from kvlocal.evals.ruler_runner import ruler_budget
+from kvlocal.route_settings import DEFAULT_HINTS, DEFAULT_KEEP, DEFAULT_PIN
 from kvlocal.session import Session
+
+DEFAULTS = (DEFAULT_KEEP, DEFAULT_PIN, DEFAULT_HINTS)  # the route kvlocal serve answered with
 
 
 def write_data(length: int, samples: int, data_dir: Path) -> None:
@@ -49,7 +52,7 @@ def score(pred_dir: Path, rows_file: Path | None) -> None:
     if rows_file:
         for line in rows_file.read_text().splitlines():
             row = json.loads(line)
-            if row["mode"] == "geometric" and row["keep"] == 0.9 and not row["hints"]:
+            if row["mode"] == "geometric" and (row["keep"], row["pin"], row["hints"]) == DEFAULTS:
                 theirs[(row["task"], row["probe"])] = row["score"]
     per_task: dict[str, list[float]] = defaultdict(list)
     beside: dict[str, list[float]] = defaultdict(list)
