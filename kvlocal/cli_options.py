@@ -30,6 +30,7 @@ from kvlocal.route_settings import (
     DEFAULT_HINTS,
     DEFAULT_KEEP,
     DEFAULT_PIN,
+    DEFAULT_FOLLOW,
     DEFAULT_PREFILL_FROM,
     DEFAULT_PREFILL_TOP_K,
     DEFAULT_PREFILL_UBATCH,
@@ -104,7 +105,7 @@ SeedsOpt = Annotated[str, typer.Option("--seeds", help="Haystack seeds.")]
 ModesOpt = Annotated[str, typer.Option("--modes", help="Routing modes to compare.")]
 AlsoOpt = Annotated[str, typer.Option(
     "--also", help="More geometric routes asked on the same prefilled samples: the route given with some settings "
-                   "changed, ';' between routes, ',' between settings (top-k, layer-top-k, keep, pin, hints, region, "
+                   "changed, ';' between routes, ',' between settings (top-k, layer-top-k, keep, pin, follow, hints, region, "
                    "window, sinks, shortlist), e.g. 'keep=0;top-k=8,layer-top-k='.")]
 SweepOpt = Annotated[str, typer.Option("--sweep", help="Extra geometric top-k budgets, e.g. 2,4,16.")]
 PlotsOpt = Annotated[bool, typer.Option("--plots/--no-plots", help="Write PNG plots (needs matplotlib).")]
@@ -256,6 +257,10 @@ KeepOpt = Annotated[float, typer.Option(
 PinOpt = Annotated[int, typer.Option(
     "--pin", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
     help="Regions of --top-k the dense question pass keeps read for the whole answer.")]
+FollowOpt = Annotated[int, typer.Option(
+    "--follow", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
+    help="First choices of a step (the pins first) whose next region it also reads, so that a value copied "
+    "out of a region's end goes on in the next (with --keep; each layer reads this many more regions).")]
 HintsOpt = Annotated[Optional[int], typer.Option(
     "--hints", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING, show_default=f"{DEFAULT_HINTS}; a set of documents: {LIBRARY_HINTS}",
     help="Places of the question's rarest words whose regions are read in place of --top-k choices (geometric "
@@ -305,6 +310,7 @@ class RouteOptions:
     shortlist: ShortlistOpt = DEFAULT_SHORTLIST
     keep: KeepOpt = DEFAULT_KEEP
     pin: PinOpt = DEFAULT_PIN
+    follow: FollowOpt = DEFAULT_FOLLOW
     hints: HintsOpt = None
     layer_top_k: LayerTopKOpt = None  # None: the model's route
     centroid_block: CentroidBlockOpt = DEFAULT_CENTROID_BLOCK
@@ -321,7 +327,7 @@ class RouteOptions:
 
         route = RouteConfig(mode=mode, region=self.region, top_k=self.top_k, window=self.window, sinks=self.sinks,
                             seed=seed, shortlist=self.shortlist, keep=self.keep, question=self.question_pass,
-                            question_top_k=self.question_top_k, pin=self.pin, hints=self.hints,
+                            question_top_k=self.question_top_k, pin=self.pin, follow=self.follow, hints=self.hints,
                             layer_top_k=self.layer_top_k, attention=self.attention.lower())
         check_region_block(self.region, self.centroid_block)
         if self.centroid_type is not None:

@@ -145,6 +145,7 @@ class RouteParamsC(ctypes.Structure):
         ("keep", ctypes.c_float),
         ("top_k_batch", ctypes.c_int32),
         ("n_pin", ctypes.c_int32),
+        ("n_follow", ctypes.c_int32),
         ("attn", ctypes.c_int),  # enum llama_kv_route_attn
     ]
 
@@ -375,6 +376,7 @@ def apply_route(ctx: ctypes.c_void_p, route: Route, *, batch_top_k: int = 0) -> 
     params.keep = route.keep
     params.top_k_batch = batch_top_k
     params.n_pin = route.pins
+    params.n_follow = route.follows
     params.attn = int(ATTENTION_CODES[route.attention])
     if api.llama_kv_route_set(ctx, params) != 0:
         blk = api.llama_kv_route_cent_blk(ctx)

@@ -80,6 +80,11 @@ DEFAULT_QUESTION_TOP_K = 32  # regions per layer and KV head that the question's
 # the defaults"; docs/experiments/uniform-route.md).
 DEFAULT_PIN = 2
 
+# Follow: a step also reads the region after each of its first DEFAULT_FOLLOW choices (the pins first),
+# so that a value copied out of the end of a region goes on in the next (geometric routing with the
+# selection memory; llama_kv_route_params.n_follow). 0: none.
+DEFAULT_FOLLOW = 0
+
 # Budgets per layer: "16-23=8" makes layers 16 to 23 route 8 regions at each single-token step and
 # the others top-k (llama_kv_route_set_layer_top_k). The routing lab found the look-alike fact lost
 # mostly in the last third of the default model's layers (docs/experiments/lab-tables.md), so the same bytes buy

@@ -22,6 +22,7 @@ from kvlocal.route_settings import (
     DEFAULT_KEEP,
     DEFAULT_MODE,
     DEFAULT_PIN,
+    DEFAULT_FOLLOW,
     DEFAULT_PREFILL,
     DEFAULT_PREFILL_FROM,
     DEFAULT_PREFILL_TOP_K,
@@ -148,6 +149,7 @@ def _check_settings(route: RouteConfig) -> None:
         ("window", "the window", route.window, MAX_WINDOW),
         ("sinks", "the sink tokens", route.sinks, MAX_SINKS),
         ("pin", "the pinned regions", route.pin, MAX_TOP_K),
+        ("follow", "the regions read after the first choices", route.follow, MAX_TOP_K),
         ("hints", "the hinted regions", route.hints, MAX_TOP_K),
     ):
         if value is not None and not 0 <= value <= top:
@@ -187,6 +189,7 @@ class RouteConfig:
     question: str | None = DEFAULT_QUESTION  # how the question's tokens read the document: routed, dense or steps
     question_top_k: int = DEFAULT_QUESTION_TOP_K  # regions the question's routed batch reads
     pin: int = DEFAULT_PIN  # regions the dense question pass pins for the answer (0: none)
+    follow: int = DEFAULT_FOLLOW  # first choices whose next region a step also reads (0: none)
     hints: int | None = DEFAULT_HINTS  # regions the question's rarest words hint (kvlocal/hints.py; 0: none)
     layer_top_k: str | None = DEFAULT_LAYER_TOP_K  # e.g. "16-23=8": those layers' regions per step, the others top_k
     attention: str = DEFAULT_ATTENTION  # how a step reads its regions: auto, gather or in-place (ATTENTION_PATHS)
@@ -227,6 +230,14 @@ class Route(RouteConfig):
         if self.route_mode != RouteMode.GEOMETRIC or not self.keep or self.question != "dense":
             return 0
         return min(self.pin, self.top_k)
+
+    @property
+    def follows(self) -> int:
+        """First choices whose next region the answer's steps also read: `follow`, at most top-k, where it
+        can act (geometric routing with the selection memory), else 0."""
+        if self.route_mode != RouteMode.GEOMETRIC or not self.keep:
+            return 0
+        return min(self.follow, self.top_k)
 
     @property
     def hinted(self) -> int:
@@ -275,6 +286,8 @@ class Route(RouteConfig):
             text += f", keep {self.keep:g}"
         if self.pins:
             text += f", {self.pins} pinned by the question"
+        if self.follows:
+            text += f", the next region of the first {self.follows} read too"
         if self.hinted:
             text += f", {self.hinted} hinted by the question's rarest words"
         if self.attention != DEFAULT_ATTENTION:

@@ -137,6 +137,8 @@ def cuda_supports(n: dict) -> bool:
         return s[0]["type"] == F32
     if op == "SSM_CONV":  # the hybrid's recurrent layers: d_inner a multiple of the block of threads
         return s[0]["ne"][1] % 128 == 0
+    if op == "CLAMP":  # f32 (the kernel's type)
+        return s[0]["type"] == F32
     return op in {"ADD", "SUB", "MUL", "SCALE", "REPEAT", "ARANGE", "POOL_2D", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX",
                   "GATED_DELTA_NET", "FILL"}
 
@@ -145,7 +147,7 @@ def metal_supports(n: dict) -> bool:
     op, s = n["op"], n["src"]
     if op in LAYOUT_OPS | {"SCALE", "ARANGE", "TOP_K"}:
         return True
-    if op == "FILL":  # contiguous f32/f16 rows
+    if op in ("FILL", "CLAMP"):  # contiguous f32/f16 rows
         return s[0]["contiguous_rows"] and s[0]["type"] in {F32, F16}
     if op == "GET_ROWS":
         return True  # every type but NVFP4 / TQ1_0
@@ -297,6 +299,18 @@ def test_pins_from_a_dense_question_are_supported_on_cuda_and_metal(models, kv_t
     assert not bad, f"nodes CUDA or Metal would not run: {bad}"
 
 
+@pytest.mark.parametrize("pin", [0, 2])  # the followed choices: by kept score; the pins
+@pytest.mark.parametrize("kv_type, centroid_type", TYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_following_the_first_choices_is_supported_on_cuda_and_metal(models, kv_type, centroid_type, arch, pin):
+    model = models[arch]
+    route = Route(mode="geometric", top_k=3, region=64, keep=0.9, pin=pin, follow=1)
+    nodes = record_decode_graph(model, kv_type, route, centroid_type=centroid_type, question=9)
+    assert any(n["name"].startswith("kv_route_follow") for n in nodes), "the step followed no choice"
+    bad = [(n["op"], n["name"]) for n in nodes if not (cuda_supports(n) and metal_supports(n))]
+    assert not bad, f"nodes CUDA or Metal would not run: {bad}"
+
+
 def test_top_k_rows_stay_within_the_cuda_limit_at_the_trained_context():
     # top_k scores one row of regions per KV head: 32,768 tokens / 64 = 512 regions <= 1024
     assert 32768 // Route().region <= 1024
@@ -314,7 +328,7 @@ def _vendored_ggml() -> Path | None:
 def test_backends_still_list_the_ops_we_use():
     src = _vendored_ggml()
     used = {"GET_ROWS", "SET_ROWS", "CPY", "CONT", "CONCAT", "TOP_K", "FLASH_ATTN_EXT", "MUL_MAT", "ADD", "SUB", "SCALE",
-            "REPEAT", "ARANGE", "POOL_2D", "SOFT_MAX", "UNARY", "SUM_ROWS", "SSM_CONV", "GATED_DELTA_NET"}
+            "REPEAT", "ARANGE", "POOL_2D", "SOFT_MAX", "UNARY", "SUM_ROWS", "SSM_CONV", "GATED_DELTA_NET", "CLAMP"}
     for path, fn in [
         (src / "ggml-cuda" / "ggml-cuda.cu", "ggml_backend_cuda_device_supports_op"),
         (src / "ggml-metal" / "ggml-metal-device.m", "ggml_metal_device_supports_op"),

@@ -24,7 +24,7 @@ from kvlocal.routing import Route  # noqa: E402
 GPU_OPS = {
     "NONE", "ADD", "MUL", "SCALE", "CPY", "CONT", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE",
     "GET_ROWS", "SET_ROWS", "MUL_MAT", "TOP_K", "CONCAT", "REPEAT", "ARANGE", "POOL_2D",
-    "FLASH_ATTN_EXT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX", "SUB", "ABS",
+    "FLASH_ATTN_EXT", "RMS_NORM", "ROPE", "SWIGLU", "SOFT_MAX", "SUB", "ABS", "CLAMP",
 }
 
 N_DOC = 1500
@@ -222,6 +222,49 @@ def test_pins_from_a_dense_question_steer_the_answer_until_forgotten(model64):
     assert st_pin.bytes_kv == st_plain.bytes_kv
     assert not np.array_equal(st_pin.regions, st_plain.regions), "the pins changed nothing"
     np.testing.assert_array_equal(st_forgot.regions, st_plain.regions)
+
+
+def test_following_reads_the_next_region_of_the_first_choice_and_no_region_twice(model64):
+    """With follow 1 a step reads the region after its first choice besides its top-k: one region more
+    than without, every region at most once, the followed one among them where routing may choose it.
+    With top-k one short of every candidate, the followed region completes them: dense attention exactly
+    (a region read twice would weigh its cells twice)."""
+    steps = doc_tokens(6, seed=9)
+    geo = dict(mode="geometric", region=64, shortlist=0, keep=0.9, pin=0)
+    raw = RawContext(model64, n_ctx=2048)
+    try:
+        raw.decode(doc_tokens(N_DOC))
+        dense = decode_steps(raw, N_DOC, steps, Route(mode="full"))
+        every = decode_steps(raw, N_DOC, steps, Route(top_k=1000, **geo))
+        n_fixed = 3  # the sink region and the window's two
+        n_cand = every[0][1].n_sel - n_fixed
+        plain = decode_steps(raw, N_DOC, steps, Route(top_k=2, **geo))
+        follow = decode_steps(raw, N_DOC, steps, Route(top_k=2, follow=1, **geo))
+        rest = decode_steps(raw, N_DOC, steps, Route(top_k=n_cand - 1, follow=1, **geo))
+    finally:
+        raw.close()
+    assert n_cand > 4
+    followed = 0
+    for (_, st_plain), (_, st_follow) in zip(plain, follow):
+        assert st_follow.n_sel == st_plain.n_sel + 1
+        for layer in range(st_follow.regions.shape[0]):
+            for head in range(st_follow.regions.shape[1]):
+                read = [int(r) for r in st_follow.regions[layer, head]]
+                assert len(set(read)) == len(read), f"a region read twice: {read}"
+                if st_follow is follow[0][1]:
+                    # the first step chooses afresh: what it read without follow, and one region more,
+                    # the one after its best choice unless routing may not choose that one
+                    before = set(int(r) for r in st_plain.regions[layer, head])
+                    [extra] = set(read) - before
+                    assert before <= set(read)
+                    followed += extra - 1 in before
+    assert followed, "the first step read no region after one of its choices"
+    # top-k one short of every candidate and the followed one: every region, dense attention
+    assert all(st.n_sel == n_fixed + n_cand for _, st in rest)
+    diff = max(float(np.max(np.abs(a[0] - b[0]))) for a, b in zip(dense, rest))
+    scale = max(float(np.max(np.abs(a[0]))) for a in dense)
+    assert diff <= 5e-3 * max(1.0, scale), f"max |logit diff| {diff} (scale {scale})"
+    assert [int(np.argmax(a[0])) for a in dense] == [int(np.argmax(b[0])) for b in rest]
 
 
 def test_route_graph_uses_gpu_ops_only(tiny_model):

@@ -58,7 +58,7 @@ class LibraryConfig:
         settings follow the set, the model's calibrated budget where they follow the model); the answer
         is asked with the settings themselves (a set's question without hints takes another route)."""
         route = resolve_route(replace(self.route, mode=mode), self.calibrated, RouteFacts(n_documents))
-        return replace(route, pin=route.pins, hints=route.hinted)
+        return replace(route, pin=route.pins, follow=route.follows, hints=route.hinted)
 
     @property
     def answer_tokens(self) -> int:

@@ -341,6 +341,8 @@ def route_label(row: dict) -> str:
         label += f" keep {row.get('keep', 0.0):g}"
         if row.get("pin"):
             label += f" pin {row['pin']}"
+        if row.get("follow"):
+            label += f" follow {row['follow']}"
         if row.get("hints"):
             label += f" hints {row['hints']}" + (" (region rule)" if hint_rule(row) == "region" else "")
         if row.get("centroid_type", "f16") != "f16":

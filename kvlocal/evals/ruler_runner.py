@@ -139,7 +139,7 @@ def parse_tasks(text: str) -> list[str]:
 
 
 ALSO_SETTINGS = {"top-k": ("top_k", int), "layer-top-k": ("layer_top_k", str), "keep": ("keep", float),
-                 "pin": ("pin", int), "hints": ("hints", int), "region": ("region", int), "window": ("window", int),
+                 "pin": ("pin", int), "follow": ("follow", int), "hints": ("hints", int), "region": ("region", int), "window": ("window", int),
                  "sinks": ("sinks", int), "shortlist": ("shortlist", int)}
 
 

@@ -51,7 +51,7 @@ class GridConfig:
     def route_of(self, mode: str, top_k: int) -> Route:
         route = replace(self.route, mode=mode, top_k=top_k)
         # rows record the pins and hints that acted (0 for the controls)
-        return replace(route, pin=route.pins, hints=route.hinted)
+        return replace(route, pin=route.pins, follow=route.follows, hints=route.hinted)
 
 
 TEMPLATE_RESERVE = 256  # context tokens kept for the prompt template around a haystack
@@ -125,6 +125,7 @@ ROUTE_KEY = (
     ("keep", 0.0),  # ... and selected afresh at every step
     ("centroid_type", "f16"),  # ... and kept the centroids in F16 (the session's, recorded in the row)
     ("pin", 0),  # ... and pinned nothing by the question
+    ("follow", 0),  # ... and read no region for following a choice
     ("estimate", False),  # a row that ran the retired estimate of unread regions: another cell
     ("hints", 0),  # rows before text hints read none
     ("layer_top_k", ""),  # ... and gave every layer the same top-k
@@ -236,7 +237,7 @@ def _key(length, task, seed, probe_index, route, haystack_name, session, max_tok
                     "centroid_type": session.centroid_type, "max_tokens": max_tokens,
                     "shortlist": route.shortlist, "keep": route.keep,
                     "question": route.question, "question_top_k": route.question_top_k, "prefill": prefill_tag,
-                    "pin": route.pin, "hints": route.hints, "hint_rule": HINT_RULE, "layer_top_k": route.layer_top_k,
+                    "pin": route.pin, "follow": route.follow, "hints": route.hints, "hint_rule": HINT_RULE, "layer_top_k": route.layer_top_k,
                     "shortlist_floor": route.shortlist_floor})
 
 
