@@ -121,6 +121,30 @@ def test_the_pin_setting_is_bounded_and_part_of_top_k():
     assert "pinned" not in Route(top_k=4, pin=2, keep=0.9, question="steps").describe()
 
 
+@pytest.mark.parametrize("follow", ["-1", str(route_settings.MAX_TOP_K + 1)])
+def test_follow_out_of_bounds_is_refused_before_any_work(no_engine, doc, follow):
+    result = run("ask", str(doc), "What did post 1 read?", "--follow", follow)
+    assert result.exit_code == 2, result.output
+
+
+def test_the_follow_setting_is_bounded_acts_with_the_memory_and_keys_its_rows():
+    from kvlocal.evals.report import route_label
+    from kvlocal.evals.runner import route_key
+    from kvlocal.routing import Route, RouteConfig
+
+    with pytest.raises(UsageError) as info:
+        RouteConfig(follow=-1)
+    assert info.value.setting == "follow"
+    assert Route(top_k=3, follow=1, keep=0.9, question="dense").follows == 1
+    assert Route(top_k=1, follow=2, keep=0.9, question="dense").follows == 1  # at most top-k
+    assert Route(top_k=3, follow=1, keep=0.0, question="dense").follows == 0  # only with the selection memory
+    assert Route(mode="window", top_k=3, follow=1, keep=0.9, question="dense").follows == 0
+    assert "the next region of the first 1 read too" in Route(top_k=3, follow=1, keep=0.9, question="dense").describe()
+    row = {"mode": "geometric", "top_k": 3, "region": 64, "window": 128, "sinks": 64, "keep": 0.9}
+    assert route_key({**row, "follow": 1}) != route_key(row) == route_key({**row, "follow": 0})
+    assert "follow 1" in route_label({**row, "follow": 1}) and "follow" not in route_label(row)
+
+
 def test_ask_refuses_an_unknown_centroid_block_before_any_work(no_engine, doc):
     result = run("ask", str(doc), "What did post 1 read?", "--centroid-block", "5", "--region", "64")
     assert result.exit_code == 2, result.output
