@@ -25,7 +25,7 @@ from kvlocal.errors import UsageError
 # every command with options: the measuring ones by their group and command (`eval grid`: what `eval` runs)
 SHARED = ("ask", "tui", "demo", "eval grid", "eval quick", "eval library", "bench document", "bench library",
           "lab decode", "lab prefill", "lab hints")
-ROUTING_OPTIONS = {"--top-k", "--region", "--window", "--sinks", "--shortlist", "--keep", "--pin", "--hints", "--layer-top-k",
+ROUTING_OPTIONS = {"--top-k", "--region", "--window", "--sinks", "--shortlist", "--keep", "--follow", "--pin", "--hints", "--layer-top-k",
                    "--centroid-block", "--centroid-type", "--seed", "--question-pass", "--question-top-k", "--attention"}
 PREFILL_OPTIONS = {"--prefill", "--prefill-top-k", "--prefill-from", "--prefill-ubatch"}
 
