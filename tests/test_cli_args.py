@@ -104,9 +104,10 @@ def test_an_unknown_centroid_type_is_refused_before_any_work(no_engine, doc, tmp
     assert not (tmp_path / "ev").exists()
 
 
-@pytest.mark.parametrize("pin", ["-1", str(route_settings.MAX_TOP_K + 1)])
-def test_pins_out_of_bounds_are_refused_before_any_work(no_engine, doc, pin):
-    result = run("ask", str(doc), "What did post 1 read?", "--pin", pin)
+@pytest.mark.parametrize("option", ["--pin", "--follow"])
+@pytest.mark.parametrize("value", ["-1", str(route_settings.MAX_TOP_K + 1)])
+def test_pins_and_followers_out_of_bounds_are_refused_before_any_work(no_engine, doc, option, value):
+    result = run("ask", str(doc), "What did post 1 read?", option, value)
     assert result.exit_code == 2, result.output
 
 
@@ -119,12 +120,6 @@ def test_the_pin_setting_is_bounded_and_part_of_top_k():
     assert "2 pinned by the question" in Route(top_k=4, pin=2, keep=0.9, question="dense").describe()
     assert "1 pinned by the question" in Route(top_k=1, pin=2, keep=0.9, question="dense").describe()
     assert "pinned" not in Route(top_k=4, pin=2, keep=0.9, question="steps").describe()
-
-
-@pytest.mark.parametrize("follow", ["-1", str(route_settings.MAX_TOP_K + 1)])
-def test_follow_out_of_bounds_is_refused_before_any_work(no_engine, doc, follow):
-    result = run("ask", str(doc), "What did post 1 read?", "--follow", follow)
-    assert result.exit_code == 2, result.output
 
 
 def test_the_follow_setting_is_bounded_acts_with_the_memory_and_keys_its_rows():
