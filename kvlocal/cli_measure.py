@@ -1,4 +1,4 @@
-"""The measuring commands: `kvlocal eval` (grid, quick, library), `kvlocal bench` (document, library) and
+"""The measuring commands: `kvlocal eval` (grid, quick, library, questions), `kvlocal bench` (document, library) and
 `kvlocal lab` (decode, prefill, hints). Each is a group whose first command is what the bare command
 runs (`kvlocal eval --lengths 8k` is `kvlocal eval grid --lengths 8k`); a mode that makes another
 program is a command of its own. Options are checked here before any engine work; the runs, their files
@@ -43,6 +43,7 @@ from kvlocal.cli_options import (
     PrefillLengthsOpt,
     PrefillOpt,
     PrefillOptions,
+    QuestionFileArg,
     ReferencesOpt,
     RegionOpt,
     RouteOptions,
@@ -74,6 +75,8 @@ from kvlocal.route_settings import (
     MAX_TOP_K,
     MODES,
 )
+
+QUESTION_ANSWER_TOKENS = 32  # a short real answer: a name, a number, a path or two
 
 eval_app = typer.Typer(cls=DefaultGroup, help="Accuracy and KV reads of every routing mode on planted facts "
                        "(`kvlocal eval` is `kvlocal eval grid`).")
@@ -287,6 +290,46 @@ def eval_library(
         rows = run_library(session, config, out / "results.jsonl", filler=filler, haystack_name=str(haystack or ""),
                            log=lambda line: err(f"kvlocal: {line}"))
     rows = [r for r in rows if r.get("n_documents") in (None, *size_list) and r.get("length") in (None, *length_list)]
+    print(library_report.markdown(library_report.summarize(rows)))
+
+
+
+@eval_app.command("questions")
+@handles_errors
+@option_groups
+def eval_questions(
+    question_file: QuestionFileArg,
+    references: ReferencesOpt = "alone",
+    modes: ModesOpt = "full,geometric",
+    out: OutOpt = Path("kvlocal-eval"),
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    threads: ThreadsOpt = None,
+    routing: RouteOptions = RouteOptions(),
+) -> None:
+    """Questions written by hand about real documents (FILE), asked of the documents as one set in every mode and of each document alone in full attention and the default route (kvlocal/evals/question_sets.py).
+
+    Results are appended to OUT/results.jsonl as they come (a rerun resumes); the markdown table goes to stdout.
+    """
+    from kvlocal.evals import library_report
+    from kvlocal.evals.library_runner import ALONE, REFERENCES, LibraryConfig, run_questions
+    from kvlocal.evals.question_sets import load_question_set
+    from kvlocal.library import check_composable
+
+    refs = [r.strip() for r in references.split(",") if r.strip() and r.strip() != "none"]
+    unknown = [r for r in refs if r not in REFERENCES]
+    if unknown:
+        raise UsageError(f"--references: {', '.join(unknown)}; choose from {', '.join(REFERENCES)} or none")
+    mode_list = _modes(modes, routing)
+    _check_out_folder(out)
+    case = load_question_set(question_file)
+    config = LibraryConfig(len(case.documents), [], [case.seed], mode_list, route=routing.config(DEFAULT_MODE),
+                           references=refs, max_tokens=max_tokens or QUESTION_ANSWER_TOKENS,
+                           alone_modes=("full", DEFAULT_MODE) if ALONE in refs else ())
+    session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
+    check_composable(session)
+    rows = run_questions(session, config, case, question_file.stem, out / "results.jsonl",
+                         log=lambda line: err(f"kvlocal: {line}"))
     print(library_report.markdown(library_report.summarize(rows)))
 
 

@@ -140,6 +140,9 @@ EstimatesOpt = Annotated[bool, typer.Option(
 LibrarySizesArg = Annotated[str, typer.Argument(
     metavar="N[,N...]", help="Sets of N documents each (e.g. 4 or 4,16), each document of --lengths tokens: look-alike "
     "facts spread over the documents of a set, loaded as one cache.")]
+QuestionFileArg = Annotated[Path, typer.Argument(
+    metavar="FILE", help="A question file (JSON): real documents by path and sha256, and questions written by hand "
+    "with the words each answer must hold (kvlocal/evals/question_sets.py; one ships in kvlocal/evals/question_files/).")]
 ParaphraseOpt = Annotated[bool, typer.Option(
     "--paraphrase", rich_help_panel=LIBRARY,
     help="Ask each fact in other words (the key word kept, the rest reworded); the documents, and their cached "

@@ -19,6 +19,7 @@ from pathlib import Path
 from kvlocal.errors import ContextOverflowError, UsageError
 from kvlocal.ingest import Document
 from kvlocal.evals.library_cases import TASK, SetCase, build_set_case
+from kvlocal.evals.question_sets import TASK as QUESTIONS_TASK
 from kvlocal.evals.runner import (
     append_row, haystack_tokens, load_rows, question_pass, route_fields, route_key, task_answer_tokens,
 )
@@ -42,6 +43,7 @@ class LibraryConfig:
     modes: list[str]
     route: RouteConfig = field(default_factory=RouteConfig)  # every mode's settings (its mode unused)
     references: list[str] = field(default_factory=lambda: [ALONE])
+    alone_modes: tuple[str, ...] = REFERENCE_MODES[ALONE]  # the modes each document alone is asked in
     facts_per_doc: int = 2
     layout: str | None = None  # None: consecutive while the set fits the trained context
     max_tokens: int | None = None
@@ -105,7 +107,6 @@ def run_library(
     out.parent.mkdir(parents=True, exist_ok=True)
     config = replace(config, calibrated=session.calibrated_route)
     rows = load_rows(out, library_row)
-    done = {answer_key(r) for r in rows if r["kind"] == "answer"}
     for length, seed, first in ((length, seed, k * config.n_documents) for length in config.lengths
                                 for seed in config.seeds for k in range(config.sets_per_seed)):
         case = make_set_case(session, config, length, seed, filler, first)
@@ -114,55 +115,80 @@ def run_library(
                 "facts_per_doc": config.facts_per_doc, "first_document": first, "task": TASK,
                 "layout_asked": config.layout or "auto",
                 "questions": "paraphrased" if config.paraphrase else "template"}
-
-        def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, Route]]:
-            n_documents = config.documents_of(reference)
-            return [(i, route) for i in probes for route in (config.route_of(m, n_documents) for m in modes)
-                    if answer_key({**base, **_route_fields(route), "probe": i, "reference": reference,
-                                   # the set's context, or one document's (alone, or the concatenation)
-                                   "centroid_type": session.centroid_type_for(
-                                       config.n_documents if reference == SET else 1)}) not in done]
-
-        def record(row: dict) -> None:
-            append_row(out, row)
-            rows.append(row)
-            if row["kind"] == "answer":
-                done.add(answer_key(row))
-
-        all_probes = range(len(case.probes))
-        work = todo(SET, config.modes, all_probes)
-        if work:
-            loaded = _load_set(session, case, config, base, record, log)
-            for i, route in work:
-                record(_ask(session, case, i, route, config, {**base, **loaded, "reference": SET}, log))
-        if ALONE in config.references:
-            for d, document in enumerate(case.documents):
-                work = todo(ALONE, REFERENCE_MODES[ALONE], case.probes_of(d))
-                if not work:
-                    continue
-                result = load_set(session, [document], layout="consecutive")
-                loaded = {"layout": "alone", "n_tokens": result.n_cells, "n_positions": result.n_positions}
-                for i, route in work:
-                    record(_ask(session, case, i, route, config, {**base, **loaded, "reference": ALONE}, log))
-        if CONCAT in config.references:
-            work = todo(CONCAT, REFERENCE_MODES[CONCAT], all_probes)
-            if work:
-                text = "\n\n".join(doc.text.strip() for doc in case.documents)
-                log(f"concatenation of seed {seed}: loading its {len(case.documents)} documents as one "
-                    "(a dense prefill of the whole unless it is cached)")
-                start = time.perf_counter()
-                try:  # as one document: the single-document path (the read tally sees one document)
-                    result = load_set(session, [Document(text, f"library-s{seed}-concatenation", "text")]).single
-                except ContextOverflowError as err:  # refused before any prefill
-                    log(f"concatenation of seed {seed} left out: {err}")
-                    continue
-                log(f"concatenation of seed {seed}: {result.n_tokens:,} tokens "
-                    f"({'cache hit' if result.cache_hit else 'prefilled'}, {time.perf_counter() - start:.0f} s)")
-                loaded = {"layout": "concatenation", "n_tokens": result.n_tokens, "n_positions": result.n_tokens,
-                          "concat_prefill_s": None if result.cache_hit else result.seconds}
-                for i, route in work:
-                    record(_ask(session, case, i, route, config, {**base, **loaded, "reference": CONCAT}, log))
+        run_case(session, config, case, base, rows, out, log)
     return rows
+
+
+def run_questions(session: Session, config: LibraryConfig, case: SetCase, name: str, out: Path,
+                  log: Callable[[str], None] = print) -> list[dict]:
+    """Ask a question file's questions (`question_sets.load_question_set`) not yet in `out` of its documents
+    as one set and of the references; returns all rows. `name` tells the file's rows from another's."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = replace(config, n_documents=len(case.documents), calibrated=session.calibrated_route)
+    rows = load_rows(out, library_row)
+    longest = max(len(session.tokenize(d.text, bos=False)) for d in case.documents)
+    base = {"n_documents": config.n_documents, "length": longest, "seed": case.seed, "haystack": name,
+            "centroid_block": session.centroid_block, "max_tokens": config.answer_tokens,
+            "facts_per_doc": len(case.probes), "first_document": 0, "task": QUESTIONS_TASK,
+            "layout_asked": config.layout or "auto", "questions": "hand-written"}
+    run_case(session, config, case, base, rows, out, log)
+    return [r for r in rows if r.get("haystack") == name]
+
+
+def run_case(session: Session, config: LibraryConfig, case: SetCase, base: dict, rows: list[dict], out: Path,
+             log: Callable[[str], None]) -> None:
+    """Ask every probe of `case` not yet in `rows` of the set and the references, appending each new row
+    to `out` and `rows`; `base` holds the case's part of every row (and of the key a rerun finds it by)."""
+    done = {answer_key(r) for r in rows if r["kind"] == "answer"}
+    seed = case.seed
+
+    def todo(reference: str, modes: Sequence[str], probes: Sequence[int]) -> list[tuple[int, Route]]:
+        n_documents = config.documents_of(reference)
+        return [(i, route) for i in probes for route in (config.route_of(m, n_documents) for m in modes)
+                if answer_key({**base, **_route_fields(route), "probe": i, "reference": reference,
+                               # the set's context, or one document's (alone, or the concatenation)
+                               "centroid_type": session.centroid_type_for(
+                                   config.n_documents if reference == SET else 1)}) not in done]
+
+    def record(row: dict) -> None:
+        append_row(out, row)
+        rows.append(row)
+        if row["kind"] == "answer":
+            done.add(answer_key(row))
+
+    all_probes = range(len(case.probes))
+    work = todo(SET, config.modes, all_probes)
+    if work:
+        loaded = _load_set(session, case, config, base, record, log)
+        for i, route in work:
+            record(_ask(session, case, i, route, config, {**base, **loaded, "reference": SET}, log))
+    if ALONE in config.references:
+        for d, document in enumerate(case.documents):
+            work = todo(ALONE, config.alone_modes, case.probes_of(d))
+            if not work:
+                continue
+            result = load_set(session, [document], layout="consecutive")
+            loaded = {"layout": "alone", "n_tokens": result.n_cells, "n_positions": result.n_positions}
+            for i, route in work:
+                record(_ask(session, case, i, route, config, {**base, **loaded, "reference": ALONE}, log))
+    if CONCAT in config.references:
+        work = todo(CONCAT, REFERENCE_MODES[CONCAT], all_probes)
+        if work:
+            text = "\n\n".join(doc.text.strip() for doc in case.documents)
+            log(f"concatenation of seed {seed}: loading its {len(case.documents)} documents as one "
+                "(a dense prefill of the whole unless it is cached)")
+            start = time.perf_counter()
+            try:  # as one document: the single-document path (the read tally sees one document)
+                result = load_set(session, [Document(text, f"library-s{seed}-concatenation", "text")]).single
+            except ContextOverflowError as err:  # refused before any prefill
+                log(f"concatenation of seed {seed} left out: {err}")
+                return
+            log(f"concatenation of seed {seed}: {result.n_tokens:,} tokens "
+                f"({'cache hit' if result.cache_hit else 'prefilled'}, {time.perf_counter() - start:.0f} s)")
+            loaded = {"layout": "concatenation", "n_tokens": result.n_tokens, "n_positions": result.n_tokens,
+                      "concat_prefill_s": None if result.cache_hit else result.seconds}
+            for i, route in work:
+                record(_ask(session, case, i, route, config, {**base, **loaded, "reference": CONCAT}, log))
 
 
 def _load_set(session: Session, case: SetCase, config: LibraryConfig, base: dict,
