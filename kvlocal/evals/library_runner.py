@@ -1,5 +1,6 @@
 """`kvlocal eval library N`: look-alike facts over a set of N documents, asked of the set in each
-routing mode and of two references.
+routing mode and of two references; `kvlocal eval questions FILE`: a question file's real documents
+and hand-written questions (question_sets.py), asked the same way (`run_case` serves both).
 
 Per seed the set is loaded once through the library (each body prefilled alone and cached, then
 assembled) and every fact is asked in every mode. The references: each fact asked of its own document
