@@ -237,6 +237,17 @@ def _library_sizes(sizes: str, facts_per_doc: int) -> list[int]:
     return bounded("the set size N", ints(sizes), 1, max_documents(facts_per_doc))
 
 
+def _references(text: str) -> list[str]:
+    """--references of the library and question evals, each checked."""
+    from kvlocal.evals.library_runner import REFERENCES
+
+    refs = [r.strip() for r in text.split(",") if r.strip() and r.strip() != "none"]
+    unknown = [r for r in refs if r not in REFERENCES]
+    if unknown:
+        raise UsageError(f"--references: {', '.join(unknown)}; choose from {', '.join(REFERENCES)} or none")
+    return refs
+
+
 @eval_app.command("library")
 @handles_errors
 @option_groups
@@ -263,7 +274,7 @@ def eval_library(
     """
     from kvlocal.evals import library_report
     from kvlocal.evals.library_cases import max_documents
-    from kvlocal.evals.library_runner import REFERENCES, LibraryConfig, run_library
+    from kvlocal.evals.library_runner import LibraryConfig, run_library
     from kvlocal.library import check_composable
 
     size_list = _library_sizes(sizes, 1)
@@ -271,10 +282,7 @@ def eval_library(
         if n * sets_per_seed > max_documents(facts_per_doc):
             raise UsageError(f"N={n} with --sets-per-seed {sets_per_seed}: a seed has {max_documents(facts_per_doc)} "
                              f"documents with {facts_per_doc} facts each")
-    refs = [r.strip() for r in references.split(",") if r.strip() and r.strip() != "none"]
-    unknown = [r for r in refs if r not in REFERENCES]
-    if unknown:
-        raise UsageError(f"--references: {', '.join(unknown)}; choose from {', '.join(REFERENCES)} or none")
+    refs = _references(references)
     if layout not in ("auto", "consecutive", "parallel"):
         raise UsageError(f"--layout: {layout}; choose auto, consecutive or parallel")
     mode_list, length_list = _modes(modes, routing), parse_lengths(lengths)
@@ -312,14 +320,11 @@ def eval_questions(
     Results are appended to OUT/results.jsonl as they come (a rerun resumes); the markdown table goes to stdout.
     """
     from kvlocal.evals import library_report
-    from kvlocal.evals.library_runner import ALONE, REFERENCES, LibraryConfig, run_questions
+    from kvlocal.evals.library_runner import ALONE, LibraryConfig, run_questions
     from kvlocal.evals.question_sets import load_question_set
     from kvlocal.library import check_composable
 
-    refs = [r.strip() for r in references.split(",") if r.strip() and r.strip() != "none"]
-    unknown = [r for r in refs if r not in REFERENCES]
-    if unknown:
-        raise UsageError(f"--references: {', '.join(unknown)}; choose from {', '.join(REFERENCES)} or none")
+    refs = _references(references)
     mode_list = _modes(modes, routing)
     _check_out_folder(out)
     case = load_question_set(question_file)
