@@ -320,7 +320,7 @@ def eval_questions(
     Results are appended to OUT/results.jsonl as they come (a rerun resumes); the markdown table goes to stdout.
     """
     from kvlocal.evals import library_report
-    from kvlocal.evals.library_runner import ALONE, LibraryConfig, run_questions
+    from kvlocal.evals.library_runner import LibraryConfig, run_questions
     from kvlocal.evals.question_sets import load_question_set
     from kvlocal.library import check_composable
 
@@ -330,7 +330,7 @@ def eval_questions(
     case = load_question_set(question_file)
     config = LibraryConfig(len(case.documents), [], [case.seed], mode_list, route=routing.config(DEFAULT_MODE),
                            references=refs, max_tokens=max_tokens or QUESTION_ANSWER_TOKENS,
-                           alone_modes=("full", DEFAULT_MODE) if ALONE in refs else ())
+                           alone_modes=("full", DEFAULT_MODE))
     session = common.open_session(model, None, threads, "f16", routing.centroid_block, routing.centroid_type)
     check_composable(session)
     rows = run_questions(session, config, case, question_file.stem, out / "results.jsonl",
