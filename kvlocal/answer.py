@@ -105,6 +105,7 @@ class AnswerSummary(ReadTotals):
     placement: str = ""  # which machine held which layers, when some were on RPC servers
     wire_sent: int = 0  # bytes the answer's steps sent to the RPC servers (and received from them)
     wire_received: int = 0
+    focus: str = ""  # the document a focused answer read (--focus hinted), its label; "": the whole set
 
     def add(self, stats: ReadStats) -> None:
         super().add(stats)

@@ -25,6 +25,7 @@ import typer
 from kvlocal.route_settings import (
     CENTROID_BLOCKS,
     DEFAULT_ATTENTION,
+    DEFAULT_FOCUS,
     DEFAULT_CENTROID_BLOCK,
     DEFAULT_CENTROID_TYPE,
     DEFAULT_HINTS,
@@ -270,6 +271,11 @@ HintsOpt = Annotated[Optional[int], typer.Option(
     "routing; 0: none): the word's region, and the next where its sentence runs on (top-k is raised to fit). "
     "Helps facts that differ from their look-alikes in one word; with --top-k 1 --question-pass steps a step "
     "reads the hinted sentence and nothing else beside the sinks and window.")]
+FocusOpt = Annotated[str, typer.Option(
+    "--focus", rich_help_panel=ROUTING, case_sensitive=False,
+    help="What an answer about a set of documents reads: set (every document) or hinted (only the document that "
+    "holds the question's best hint, routed as that document alone would be: other documents' look-alikes are "
+    "not seen). A question that hints nowhere, and a set too long for consecutive positions, read the set.")]
 LayerTopKOpt = Annotated[Optional[str], typer.Option(
     "--layer-top-k", metavar="LAYERS=K,...", rich_help_panel=ROUTING, show_default="the model's route, else none",
     help="Regions some layers read per step instead of --top-k, e.g. 16-23=8 (layers 16 to 23 read 8, the "
@@ -321,6 +327,7 @@ class RouteOptions:
     question_pass: QuestionPassOpt = None
     question_top_k: QuestionTopKOpt = DEFAULT_QUESTION_TOP_K
     attention: AttentionOpt = DEFAULT_ATTENTION
+    focus: FocusOpt = DEFAULT_FOCUS
 
     def config(self, mode: str, seed: int = 0):
         """The core's RouteConfig of `mode` with these settings, an option not given left None (the
@@ -331,7 +338,7 @@ class RouteOptions:
         route = RouteConfig(mode=mode, region=self.region, top_k=self.top_k, window=self.window, sinks=self.sinks,
                             seed=seed, shortlist=self.shortlist, keep=self.keep, question=self.question_pass,
                             question_top_k=self.question_top_k, pin=self.pin, follow=self.follow, hints=self.hints,
-                            layer_top_k=self.layer_top_k, attention=self.attention.lower())
+                            layer_top_k=self.layer_top_k, attention=self.attention.lower(), focus=self.focus.lower())
         check_region_block(self.region, self.centroid_block)
         if self.centroid_type is not None:
             check_centroid_type(self.centroid_type)

@@ -807,10 +807,11 @@ class EngineContext:
         if route_api().llama_kv_route_set_seq_cells(self._llm.ctx, seq, start, end) != 0:
             raise EngineError(f"the engine did not give sequence {seq} the cells {start}-{end}")
 
-    def copy_sequence(self, source: int, dest: int) -> None:
-        """Share every cell of sequence `source` with sequence `dest`."""
+    def copy_sequence(self, source: int, dest: int, start: int = -1, end: int = -1) -> None:
+        """Share the cells of sequence `source` at positions [start, end) (-1: from the first, to the
+        last) with sequence `dest`."""
         module, mem = self._memory()
-        module.llama_memory_seq_cp(mem, source, dest, -1, -1)
+        module.llama_memory_seq_cp(mem, source, dest, start, end)
 
     def shift_sequence(self, seq: int, delta: int) -> None:
         """Move every position of sequence `seq` by `delta` (the keys are re-roped at the next decode)."""

@@ -36,11 +36,10 @@ from kvlocal.layout import DocumentLayout, DocumentSpan
 from kvlocal.prompt import Segment
 from kvlocal.route_settings import SET_LAYOUT_UNIT
 from kvlocal.routing import PrefillConfig
-from kvlocal.session import ANSWER_RESERVE, LoadResult, PrefillProgress, Session
+from kvlocal.session import ANSWER_RESERVE, QUESTION_SEQ, STAGING_SEQ, LoadResult, PrefillProgress, Session
 
 LAYOUT_UNIT = SET_LAYOUT_UNIT  # cells the head and each body are padded to: every body starts on a region boundary
 LAYOUT_TAG = f"library-u{LAYOUT_UNIT}"  # a body state's prefill tag (the key's layout)
-QUESTION_SEQ, STAGING_SEQ = 0, 1
 PAD_TEXT = "\n"  # the filler a head or body is padded with (one token)
 
 

@@ -169,6 +169,13 @@ DEFAULT_HINTS = 0
 # set's text takes the single-document defaults instead (routing.resolve_route). One document keeps the
 # defaults above: there the hinted route answered fewer look-alike facts than the default route
 # (docs/experiments/hints-on-one-document.md).
+# What a set's answer reads (--focus): "set", every document; "hinted", the one document that holds the
+# question's best hint (kvlocal/hints.py), as if it were asked alone: the answer's sequence sees the
+# template's head and that document's cells, then the prompt's middle again and the question, and routes
+# within them as one document does (its defaults). A question that hints nowhere, and a set whose
+# documents share positions (the parallel layout), read the whole set.
+FOCI = ("set", "hinted")
+DEFAULT_FOCUS = "set"
 LIBRARY_TOP_K = 1
 LIBRARY_HINTS = 1
 LIBRARY_QUESTION = "steps"

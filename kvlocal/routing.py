@@ -23,6 +23,8 @@ from kvlocal.route_settings import (
     DEFAULT_MODE,
     DEFAULT_PIN,
     DEFAULT_FOLLOW,
+    DEFAULT_FOCUS,
+    FOCI,
     DEFAULT_PREFILL,
     DEFAULT_PREFILL_FROM,
     DEFAULT_PREFILL_TOP_K,
@@ -140,6 +142,8 @@ def _check_settings(route: RouteConfig) -> None:
     if route.attention not in ATTENTION_PATHS:
         raise UsageError(f"the attention path must be one of {', '.join(ATTENTION_PATHS)} (got {route.attention!r})",
                          setting="attention")
+    if route.focus not in FOCI:
+        raise UsageError(f"the focus must be one of {', '.join(FOCI)} (got {route.focus!r})", setting="focus")
     if route.question is not None and route.question not in QUESTION_PASSES:
         raise UsageError(f"the question pass must be one of {', '.join(QUESTION_PASSES)} (got {route.question!r})",
                          setting="question_pass")
@@ -193,6 +197,7 @@ class RouteConfig:
     hints: int | None = DEFAULT_HINTS  # regions the question's rarest words hint (kvlocal/hints.py; 0: none)
     layer_top_k: str | None = DEFAULT_LAYER_TOP_K  # e.g. "16-23=8": those layers' regions per step, the others top_k
     attention: str = DEFAULT_ATTENTION  # how a step reads its regions: auto, gather or in-place (ATTENTION_PATHS)
+    focus: str = DEFAULT_FOCUS  # what a set's answer reads: every document, or the hinted one (FOCI)
 
     def __post_init__(self) -> None:
         _check_settings(self)
@@ -273,8 +278,9 @@ class Route(RouteConfig):
         return max(self.shortlist_floor, auto_shortlist(-(-n_cells // self.region)))
 
     def describe(self) -> str:
+        within = ", within the document of the question's best hint" if self.focus == "hinted" else ""
         if self.route_mode == RouteMode.FULL:
-            return "full (dense attention)"
+            return "full (dense attention)" + within
         text = f"{self.mode}: top-{self.top_k} regions of {self.region} tokens + {self.sinks} sink + {self.window} window tokens"
         if self.layer_top_k:
             text += f" (layers {self.layer_top_k})"
@@ -292,6 +298,7 @@ class Route(RouteConfig):
             text += f", {self.hinted} hinted by the question's rarest words"
         if self.attention != DEFAULT_ATTENTION:
             text += f", attention {self.attention}"
+        text += within
         text += "; " + self.describe_question()
         return text
 

@@ -52,6 +52,10 @@ from kvlocal.routing import (
 )
 
 CTX_ROUND = 256
+# the sequences of a set's context: the set's own, in which questions are asked, and the one in which
+# the library stages each document while it assembles the set and a focused answer (--focus hinted) is
+# decoded afterwards
+QUESTION_SEQ, STAGING_SEQ = 0, 1
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,34 @@ class PrefillReads(ReadTotals):
 MAX_TEMPERATURE = 10.0
 
 
+@dataclass(frozen=True)
+class AnswerFocus:
+    """Where a focused answer (--focus hinted) is decoded: in STAGING_SEQ, which shares the set's
+    template head and the cells of one document (`span`) and holds the prompt's middle decoded again
+    right after that document, so that its question and answer read that document as if it were asked
+    alone (the other documents are neither seen nor read)."""
+
+    span: DocumentSpan
+    n_cells: int  # the cells the sequence sees before its question: the head, the document, the middle
+    position: int  # where its question starts
+    added: int  # the cells it took beside the set's: the middle's
+
+
+class AnswerTokens:
+    """Where an answer's tokens go: after the prefix in sequence 0, or after a focus in its sequence."""
+
+    def __init__(self, context: EngineContext, focus: AnswerFocus | None) -> None:
+        self.context, self.focus = context, focus
+        self.position = focus.position if focus else 0
+
+    def decode(self, tokens: Sequence[int]) -> None:
+        if self.focus is None:
+            self.context.decode(tokens)
+            return
+        self.context.decode_sequence(STAGING_SEQ, tokens, self.position)
+        self.position += len(tokens)
+
+
 @dataclass
 class Prefix:
     """A prompt prefix the context holds (template head, documents, middle), in sequence `seq`:
@@ -126,6 +158,7 @@ class Prefix:
     # with recurrent layers: their state is not per cell); Session._rewind restores it
     state: bytes | None = None
     text_index: TextIndex | None = None  # its words by cell, for text hints (built on use)
+    focused: bool = False  # STAGING_SEQ holds a focused answer's cells (Session._rewind drops them)
 
     @property
     def cells(self) -> int:
@@ -689,16 +722,49 @@ class Session:
         return [pieces[t] for t in tokens]
 
     def resolve_answer_route(self, question: str, asked: RouteConfig | Route | None = None,
-                             n_documents: int | None = None, prefix: Prefix | None = None) -> Route:
+                             n_documents: int | None = None, prefix: Prefix | None = None,
+                             focus: AnswerFocus | None = None) -> Route:
         """The route an answer to `question` takes over the loaded documents (resolve_route with the
         prefix's cells and the question's hints), as `ask` resolves it. A shelf's `prefix`: as `ask`
-        resolves it for that document alone, its hints at the prefix's own cells."""
+        resolves it for that document alone, its hints at the prefix's own cells. A `focus`: as one
+        document of the cells it sees, its hints within that document; without one the route's focus
+        is the set's (what the answer read)."""
         prefix = prefix or self.prefix
+        asked = asked or MODEL_ROUTE
+        if focus is not None:
+            facts = RouteFacts(1, focus.n_cells, self._hint_finder(question, prefix, focus.span))
+            return replace(resolve_route(asked, self.calibrated_route, facts), focus="hinted")
         facts = RouteFacts(n_documents or prefix.n_documents, prefix.cells, self._hint_finder(question, prefix))
-        route = resolve_route(asked or MODEL_ROUTE, self.calibrated_route, facts)
+        route = replace(resolve_route(asked, self.calibrated_route, facts), focus="set")
         if prefix.first_cell and route.hint_cells:
             route = replace(route, hint_cells=tuple(c + prefix.first_cell for c in route.hint_cells))
         return route
+
+    def answer_focus(self, question: str, asked: RouteConfig | Route) -> DocumentSpan | None:
+        """The document a focused answer to `question` reads (`asked.focus` "hinted"): the one that holds
+        its best hint, on a set of several documents at consecutive positions (each document's cells
+        then have positions of their own); None where the answer reads the whole set."""
+        if (asked.focus != "hinted" or self.n_documents < 2 or self.layout.kind != "consecutive"
+                or self.answers > 1 or self.shelf):
+            return None
+        skip = -(-asked.sinks // asked.region)
+        cells = self._hint_finder(question, self.prefix)(1, asked.region, skip)
+        return self.document_at(cells[0]) if cells else None
+
+    def _enter_focus(self, span: DocumentSpan) -> AnswerFocus:
+        """Give STAGING_SEQ the set's template head and `span`'s cells, and decode the prompt's middle
+        into it after them (densely, as the set's was)."""
+        spans, cell_tokens = self.layout.spans, self.layout.cell_tokens
+        head, middle = spans[0].start, list(cell_tokens[spans[-1].end:])
+        context = self.context
+        context.copy_sequence(QUESTION_SEQ, STAGING_SEQ, 0, head)
+        end = span.position + (span.end - span.start)  # a consecutive set's positions are its cells
+        context.copy_sequence(QUESTION_SEQ, STAGING_SEQ, span.position, end)
+        self.prefix.focused = True
+        if middle:
+            context.apply_route(Route(mode="full"))
+            context.decode_sequence(STAGING_SEQ, middle, end)
+        return AnswerFocus(span, head + (span.end - span.start) + len(middle), end + len(middle), len(middle))
 
     def rewind(self) -> None:
         """Drop the previous question and answer of the document's own sequence (kvlocal.batch starts so;
@@ -708,16 +774,25 @@ class Session:
         with self._lock:
             self._rewind()
 
-    def _hint_finder(self, question: str, prefix: Prefix):
-        """The question's hints in `prefix` (RouteFacts.find_hints): its text indexed on first use."""
+    def _hint_finder(self, question: str, prefix: Prefix, within: DocumentSpan | None = None):
+        """The question's hints in `prefix` (RouteFacts.find_hints): its text indexed on first use;
+        those of the places in the document `within` only, where it is given."""
         def find(n: int, region: int, skip_regions: int) -> list[int]:
             if prefix.text_index is None:
                 prefix.text_index = TextIndex.of(self.token_pieces(self.prefix_cell_tokens(prefix)))
-            return hint_cells(prefix.text_index, question, n, region, skip_regions=skip_regions)
+            cells = hint_cells(prefix.text_index, question, n, region, skip_regions=skip_regions)
+            if within is None:
+                return cells
+            # a hint is a pair: the cell of the word, the cell its sentence ends at
+            pairs = [cells[i : i + 2] for i in range(0, len(cells), 2)]
+            return [c for pair in pairs if within.start <= pair[0] < within.end for c in pair]
         return find
 
     def _rewind(self) -> None:
         """Drop the previous question and answer, keep the document."""
+        if self.prefix.focused:
+            self.context.remove_positions(STAGING_SEQ)
+            self.prefix.focused = False
         if self._prefix_state is not None:
             # recurrent layers: their state after the answer cannot be cut back, so the document's
             # state (attention cells and recurrent state) is restored as a saved one is
@@ -731,23 +806,23 @@ class Session:
             return
         self.context.truncate(self.n_prefix)
 
-    def _step(self, token: int, want_regions: bool) -> ReadStats | None:
-        self.context.decode([token])
+    def _step(self, into: AnswerTokens, token: int, want_regions: bool) -> ReadStats | None:
+        into.decode([token])
         return self.context.read_stats(with_regions=want_regions)
 
-    def _read_question(self, q_tokens: list[int], route: Route, summary: AnswerSummary,
+    def _read_question(self, into: AnswerTokens, q_tokens: list[int], route: Route, summary: AnswerSummary,
                        want_regions: bool) -> None:
         """Feed the question's tokens as `route.question` says, adding what they read to `summary`."""
         if route.question == "steps":
             for token in q_tokens:
-                stats = self._step(token, want_regions)
+                stats = self._step(into, token, want_regions)
                 if stats:
                     summary.add(stats)
             return
         self.context.apply_route(route, batch_top_k=route.question_batch_top_k)
         try:
             for i in range(0, len(q_tokens), self.n_batch):
-                self.context.decode(q_tokens[i : i + self.n_batch])
+                into.decode(q_tokens[i : i + self.n_batch])
                 stats = self.context.read_stats(with_regions=want_regions)
                 if stats:
                     summary.add(stats)
@@ -799,20 +874,24 @@ class Session:
         context = self.context
         with self._lock:
             self._rewind()
-            route = self.resolve_answer_route(question, asked, n_documents)
+            span = self.answer_focus(question, asked)
+            focus = self._enter_focus(span) if span is not None else None
+            route = self.resolve_answer_route(question, asked, n_documents, focus=focus)
             context.set_hints(route.hint_cells)
             context.apply_route(route)
+            into = AnswerTokens(context, focus)
             q_tokens = self.tokenize_prompt(self.parts.question_segments(question), bos=False)
-            room = context.n_ctx - self.prefix_cells - len(q_tokens)
+            used = self.prefix_cells + (focus.added if focus else 0)
+            room = context.n_ctx - used - len(q_tokens)
             if room < 1:
                 raise ContextOverflowError(
-                    f"the question ({len(q_tokens):,} tokens) does not fit in the {context.n_ctx - self.prefix_cells:,} "
+                    f"the question ({len(q_tokens):,} tokens) does not fit in the {context.n_ctx - used:,} "
                     f"tokens of context left after the document; a larger context leaves more room", setting="ctx")
             capped = room < max_tokens
             max_tokens = min(max_tokens, room)
             summary = AnswerSummary("", len(q_tokens), 0, 0.0, route, model_layers=self.n_layer,
-                                    placement=self.layer_placement())
-            self._read_question(q_tokens, route, summary, want_regions)
+                                    placement=self.layer_placement(), focus=focus.span.label if focus else "")
+            self._read_question(into, q_tokens, route, summary, want_regions)
             summary.question_bytes_read, summary.question_bytes_dense = summary.bytes_read, summary.bytes_dense
             rng = np.random.default_rng(seed)
             answer_text = AnswerText(context, self.parts.stops)
@@ -827,7 +906,7 @@ class Session:
                     text = answer_text.accept(token)
                     if text is None:
                         break
-                    stats = self._step(token, want_regions)
+                    stats = self._step(into, token, want_regions)
                     if stats:
                         summary.add(stats)
                     summary.n_answer_tokens += 1

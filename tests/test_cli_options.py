@@ -26,7 +26,7 @@ from kvlocal.errors import UsageError
 SHARED = ("ask", "tui", "demo", "eval grid", "eval quick", "eval library", "bench document", "bench library",
           "lab decode", "lab prefill", "lab hints")
 ROUTING_OPTIONS = {"--top-k", "--region", "--window", "--sinks", "--shortlist", "--keep", "--follow", "--pin", "--hints", "--layer-top-k",
-                   "--centroid-block", "--centroid-type", "--seed", "--question-pass", "--question-top-k", "--attention"}
+                   "--centroid-block", "--centroid-type", "--seed", "--question-pass", "--question-top-k", "--attention", "--focus"}
 PREFILL_OPTIONS = {"--prefill", "--prefill-top-k", "--prefill-from", "--prefill-ubatch"}
 
 

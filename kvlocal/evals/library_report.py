@@ -31,16 +31,17 @@ def summarize(rows: list[dict]) -> dict:
         groups[(r["n_documents"], r["length"], r["reference"], r["mode"], r["top_k"] if r["mode"] != "full" else 0,
                 r.get("haystack", ""), r.get("hints", 0), _question(r) if r["mode"] != "full" else "",
                 r.get("layout", ""), r.get("questions", "template"), hint_rule(r),
-                r.get("layer_top_k", "") if r["mode"] != "full" else "")].append(r)
+                r.get("layer_top_k", "") if r["mode"] != "full" else "", r.get("focus", "set"))].append(r)
     cells = []
-    for (n_docs, length, reference, mode, top_k, haystack, hints, question, _, questions, rule, layers), group in sorted(
+    for (n_docs, length, reference, mode, top_k, haystack, hints, question, _, questions, rule, layers, focus), group in sorted(
             groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][5], kv[0][9], REFERENCE_RANK.get(kv[0][2], 9),
-                                            kv[0][8], _mode_rank(kv[0][3]), kv[0][4], kv[0][6], kv[0][10], kv[0][7])):
+                                            kv[0][8], _mode_rank(kv[0][3]), kv[0][12], kv[0][4], kv[0][6], kv[0][10],
+                                            kv[0][7])):
         shares = [r["fact_document_share"] for r in group if r.get("fact_document_share") is not None]
         cells.append({
             "n_documents": n_docs, "length": length, "haystack": haystack, "reference": reference, "mode": mode,
             "top_k": top_k or None, "hints": hints, "question": question, "seeds": sorted({r["seed"] for r in group}),
-            "questions": questions, "hint_rule": rule, "layer_top_k": layers,
+            "questions": questions, "hint_rule": rule, "layer_top_k": layers, "focus": focus,
             **_accuracy(group),
             "answer_reduction": mean(answer_reduction(r) for r in group),
             "reduction": mean(r["bytes_dense"] / r["bytes_read"] for r in group if r["bytes_read"]),
@@ -98,6 +99,8 @@ def markdown(summary: dict) -> str:
             mode += f" hints {c['hints']}" + (f" ({c['hint_rule']} rule)" if c.get("hint_rule") != HINT_RULE else "")
         if c.get("question") and c["question"] != "dense":
             mode += f", question {c['question']}"
+        if c.get("focus", "set") != "set":
+            mode += ", within the hinted document"
         share = "" if c["fact_document_share"] is None or c["reference"] != SET else f"{c['fact_document_share']:.0%}"
         reduction = "1.0x" if c["mode"] == "full" else f"{c['answer_reduction']:.1f}x"
         lines.append(f"| {what} | {_reference_text(c)} | {mode} | {c['accuracy']:.0%} {_interval_text(c['accuracy_ci'])} "

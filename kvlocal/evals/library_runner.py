@@ -60,8 +60,10 @@ class LibraryConfig:
         """`mode`'s route over `n_documents` documents as a row records it (a set's own route where the
         settings follow the set, the model's calibrated budget where they follow the model); the answer
         is asked with the settings themselves (a set's question without hints takes another route)."""
-        route = resolve_route(replace(self.route, mode=mode), self.calibrated, RouteFacts(n_documents))
-        return replace(route, pin=route.pins, follow=route.follows, hints=route.hinted)
+        focused = n_documents > 1 and self.route.focus == "hinted"  # routed as the one document it reads
+        route = resolve_route(replace(self.route, mode=mode), self.calibrated, RouteFacts(1 if focused else n_documents))
+        return replace(route, pin=route.pins, follow=route.follows, hints=route.hinted,
+                       focus="hinted" if focused else "set")
 
     @property
     def answer_tokens(self) -> int:
@@ -92,7 +94,7 @@ def answer_key(row: dict) -> tuple:
     return (row["n_documents"], row["length"], row["seed"], row["probe"], row["reference"], row["mode"],
             question_pass(row), row["haystack"], row["max_tokens"], row["facts_per_doc"], row.get("first_document", 0),
             row.get("layout_asked", "auto"),  # rows before --layout was recorded ran the automatic layout
-            row.get("questions", "template"), *route_key(row))
+            row.get("questions", "template"), row.get("focus", "set"), *route_key(row))
 
 
 def run_library(
@@ -249,6 +251,8 @@ def _ask(session: Session, case: SetCase, index: int, route: Route, config: Libr
         "hint_documents": [labels.index(span.label) if (span := session.document_at(c)) else None
                            for c in summary.hint_cells[::2]],
         "hint_cells": list(summary.hint_cells),
+        # the document a focused answer read (--focus hinted; None: the set, or one document)
+        "focus_document": labels.index(summary.focus) if summary.focus in labels else None,
         "top_k_read": summary.route.top_k,  # top_k, raised to the hinted regions where they are more
         "model": session.model.alias or session.model.path.name,
     }
