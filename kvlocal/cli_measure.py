@@ -16,6 +16,7 @@ import typer
 from kvlocal import cli_common as common
 from kvlocal.cli_common import DefaultGroup, err, handles_errors
 from kvlocal.cli_options import (
+    AloneModesOpt,
     AlsoOpt,
     ChunksOpt,
     ControlsOpt,
@@ -257,6 +258,7 @@ def eval_library(
     facts_per_doc: FactsPerDocOpt = 2,
     sets_per_seed: SetsPerSeedOpt = 1,
     references: ReferencesOpt = "alone",
+    alone_modes: AloneModesOpt = "full",
     layout: LayoutOpt = "auto",
     paraphrase: ParaphraseOpt = False,
     modes: ModesOpt = ",".join(MODES),
@@ -286,8 +288,9 @@ def eval_library(
     if layout not in ("auto", "consecutive", "parallel"):
         raise UsageError(f"--layout: {layout}; choose auto, consecutive or parallel")
     mode_list, length_list = _modes(modes, routing), parse_lengths(lengths)
+    alone_list = tuple(_modes(alone_modes, routing))
     configs = [LibraryConfig(n, length_list, parse_seeds(seeds), mode_list, route=routing.config(DEFAULT_MODE),
-                             references=refs, facts_per_doc=facts_per_doc, layout=None if layout == "auto" else layout,
+                             references=refs, alone_modes=alone_list, facts_per_doc=facts_per_doc, layout=None if layout == "auto" else layout,
                              max_tokens=max_tokens, sets_per_seed=sets_per_seed, paraphrase=paraphrase) for n in size_list]
     _check_out_folder(out)
     filler = _haystack_text(haystack)

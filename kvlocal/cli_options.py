@@ -157,6 +157,9 @@ ReferencesOpt = Annotated[str, typer.Option(
     "--references", rich_help_panel=LIBRARY, help="What else the facts are asked of: alone (each fact of its own "
     "document, from its cached state), concat (the set prefilled as one document, where it fits the trained context; "
     "32k: ~30 min on 2 cores), none.")]
+AloneModesOpt = Annotated[str, typer.Option(
+    "--alone-modes", rich_help_panel=LIBRARY, help="The modes each fact is asked of its document alone in "
+    "(--references alone), e.g. full,geometric.")]
 LayoutOpt = Annotated[str, typer.Option(
     "--layout", rich_help_panel=LIBRARY, help="A set's positions: auto (consecutive while the set fits the trained "
     "context, else parallel), consecutive or parallel.")]
@@ -275,7 +278,7 @@ FocusOpt = Annotated[str, typer.Option(
     "--focus", rich_help_panel=ROUTING, case_sensitive=False,
     help="What an answer about a set of documents reads: set (every document) or hinted (only the document that "
     "holds the question's best hint, routed as that document alone would be: other documents' look-alikes are "
-    "not seen). A question that hints nowhere, and a set too long for consecutive positions, read the set.")]
+    "not seen). A question that hints nowhere reads the set.")]
 LayerTopKOpt = Annotated[Optional[str], typer.Option(
     "--layer-top-k", metavar="LAYERS=K,...", rich_help_panel=ROUTING, show_default="the model's route, else none",
     help="Regions some layers read per step instead of --top-k, e.g. 16-23=8 (layers 16 to 23 read 8, the "

@@ -300,6 +300,8 @@ def route_api() -> ctypes.CDLL:
     lib.llama_kv_route_set_hints_seq.restype = ctypes.c_int32
     lib.llama_kv_route_set_seq_cells.argtypes = [ctx_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
     lib.llama_kv_route_set_seq_cells.restype = ctypes.c_int32
+    lib.llama_kv_route_seq_share_cells.argtypes = [ctx_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+    lib.llama_kv_route_seq_share_cells.restype = ctypes.c_int32
     for name in ("llama_kv_route_set_layer_top_k", "llama_kv_route_get_regions", "llama_kv_route_get_layers"):
         fn = getattr(lib, name)
         fn.argtypes = [ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
@@ -807,11 +809,16 @@ class EngineContext:
         if route_api().llama_kv_route_set_seq_cells(self._llm.ctx, seq, start, end) != 0:
             raise EngineError(f"the engine did not give sequence {seq} the cells {start}-{end}")
 
-    def copy_sequence(self, source: int, dest: int, start: int = -1, end: int = -1) -> None:
-        """Share the cells of sequence `source` at positions [start, end) (-1: from the first, to the
-        last) with sequence `dest`."""
+    def copy_sequence(self, source: int, dest: int) -> None:
+        """Share every cell of sequence `source` with sequence `dest`."""
         module, mem = self._memory()
-        module.llama_memory_seq_cp(mem, source, dest, start, end)
+        module.llama_memory_seq_cp(mem, source, dest, -1, -1)
+
+    def share_cells(self, source: int, dest: int, start: int, end: int) -> None:
+        """Share the cells [start, end) that sequence `source` holds with sequence `dest`, whatever their
+        positions (patch 0023); EngineError if the engine does not take the range."""
+        if route_api().llama_kv_route_seq_share_cells(self._llm.ctx, source, dest, start, end) != 0:
+            raise EngineError(f"the engine did not share the cells {start}-{end} of sequence {source} with {dest}")
 
     def shift_sequence(self, seq: int, delta: int) -> None:
         """Move every position of sequence `seq` by `delta` (the keys are re-roped at the next decode)."""

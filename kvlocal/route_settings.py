@@ -172,8 +172,7 @@ DEFAULT_HINTS = 0
 # What a set's answer reads (--focus): "set", every document; "hinted", the one document that holds the
 # question's best hint (kvlocal/hints.py), as if it were asked alone: the answer's sequence sees the
 # template's head and that document's cells, then the prompt's middle again and the question, and routes
-# within them as one document does (its defaults). A question that hints nowhere, and a set whose
-# documents share positions (the parallel layout), read the whole set.
+# within them as one document does (its defaults). A question that hints nowhere reads the whole set.
 FOCI = ("set", "hinted")
 DEFAULT_FOCUS = "set"
 LIBRARY_TOP_K = 1

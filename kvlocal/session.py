@@ -741,11 +741,9 @@ class Session:
         return route
 
     def answer_focus(self, question: str, asked: RouteConfig | Route) -> DocumentSpan | None:
-        """The document a focused answer to `question` reads (`asked.focus` "hinted"): the one that holds
-        its best hint, on a set of several documents at consecutive positions (each document's cells
-        then have positions of their own); None where the answer reads the whole set."""
-        if (asked.focus != "hinted" or self.n_documents < 2 or self.layout.kind != "consecutive"
-                or self.answers > 1 or self.shelf):
+        """The document a focused answer to `question` reads (`asked.focus` "hinted"): the one of a set
+        of several that holds its best hint; None where the answer reads the whole set."""
+        if asked.focus != "hinted" or self.n_documents < 2 or self.answers > 1 or self.shelf:
             return None
         skip = -(-asked.sinks // asked.region)
         cells = self._hint_finder(question, self.prefix)(1, asked.region, skip)
@@ -757,10 +755,10 @@ class Session:
         spans, cell_tokens = self.layout.spans, self.layout.cell_tokens
         head, middle = spans[0].start, list(cell_tokens[spans[-1].end:])
         context = self.context
-        context.copy_sequence(QUESTION_SEQ, STAGING_SEQ, 0, head)
-        end = span.position + (span.end - span.start)  # a consecutive set's positions are its cells
-        context.copy_sequence(QUESTION_SEQ, STAGING_SEQ, span.position, end)
         self.prefix.focused = True
+        context.share_cells(QUESTION_SEQ, STAGING_SEQ, 0, head)
+        context.share_cells(QUESTION_SEQ, STAGING_SEQ, span.start, span.end)  # whatever the layout's positions
+        end = span.position + (span.end - span.start)
         if middle:
             context.apply_route(Route(mode="full"))
             context.decode_sequence(STAGING_SEQ, middle, end)

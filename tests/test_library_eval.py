@@ -441,6 +441,8 @@ def no_engine(monkeypatch):
     (["--lengths", "1k"], "at least 2k"),
     (["--seeds", ","], "--seeds"),
     (["--modes", "full,sideways"], "sideways"),
+    (["--alone-modes", "sideways"], "sideways"),
+    (["--focus", "nearest"], "focus"),
 ])
 def test_bad_library_options_are_refused_before_any_work(monkeypatch, tmp_path, args, words):
     class Stop(Exception):
@@ -499,6 +501,14 @@ def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
     assert (config.lengths, config.seeds, config.modes) == ([2048, 4096], [1, 2], ["full", "geometric"])
     assert (config.references, config.layout, config.facts_per_doc) == ([ALONE, CONCAT], "parallel", 3)
     assert config.route.top_k == 3 and config.max_tokens == 5 and config.answer_tokens == 5
+    assert config.alone_modes == ("full",) and config.route.focus == "set"
+    configs.clear()
+    assert run("eval", "library", "2", "--alone-modes", "full,geometric", "--focus", "hinted",
+               "--out", str(tmp_path / "ev")).exit_code == 0
+    assert configs[0][0].alone_modes == ("full", "geometric") and configs[0][0].route.focus == "hinted"
+    # a focused set's rows record the route of the one document it reads; each alone, its own
+    assert configs[0][0].route_of("geometric", 2).focus == "hinted"
+    assert configs[0][0].route_of("geometric", 1).focus == "set"
     configs.clear()
     assert run("eval", "library", "2", "--references", "none", "--layout", "consecutive",
                "--out", str(tmp_path / "ev")).exit_code == 0

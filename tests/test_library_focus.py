@@ -107,10 +107,23 @@ def test_the_whole_set_is_read_where_the_focus_cannot_apply(lib):
     load_set(lib, [Z, B])
     plain = lib.answer("Which value?", route=FOCUS, max_tokens=2)  # no rare word: no hint, no focus
     assert plain.focus == "" and plain.route.focus == "set"
-    load_set(lib, [Z, B], layout="parallel")  # the documents share positions: one cannot be shared alone
-    assert lib.answer(HINTED, route=FOCUS, max_tokens=2).focus == ""
     load_set(lib, [Z])  # one document: nothing to focus on
     assert lib.answer(HINTED, route=FOCUS, max_tokens=2).focus == ""
+
+
+@pytest.mark.parametrize("mode", ["full", "geometric"])
+def test_a_focused_answer_in_the_parallel_layout_is_the_same_as_in_the_consecutive(lib, mode):
+    """Where the documents share positions, the focused document's cells are shared by cell (patch
+    0023): the document first in the set has the same positions in both layouts, so the focused answer
+    is the same token for token, whatever sits beside it."""
+    route = replace(FOCUS, mode=mode)
+    got = []
+    for layout, other in (("consecutive", B), ("parallel", B), ("parallel", C)):
+        load_set(lib, [Z, other], layout=layout)
+        summary, tokens, logits = _focused(lib, route)
+        assert summary.focus == "z.txt"
+        got.append((tokens, logits.tobytes()))
+    assert got[0] == got[1] == got[2]
 
 
 def test_a_focus_is_one_of_the_known_ones():
