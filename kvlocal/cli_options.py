@@ -241,12 +241,11 @@ def _shortlist_value(text: str) -> int:
 
 TopKOpt = Annotated[Optional[int], typer.Option(
     "--top-k", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING,
-    show_default=f"the model's route, else {DEFAULT_TOP_K}; a set of documents: {LIBRARY_TOP_K}",
+    show_default=f"the model's route, else {DEFAULT_TOP_K}; a set read whole: {LIBRARY_TOP_K}",
     help="Regions each step reads per layer and KV head, besides the sinks and the window. A model with a "
     "calibrated route (the default model; `kvlocal models` shows it) reads its own budget unless --top-k or "
-    "--layer-top-k is given. A set "
-    "of several documents answers with its own route (--top-k 1 --hints 1 --question-pass steps) unless one of "
-    "those three is given.")]
+    "--layer-top-k is given. A set of several documents read whole (--focus set) answers with its own route "
+    "(--top-k 1 --hints 1 --question-pass steps) unless one of those three is given.")]
 RegionOpt = Annotated[int, typer.Option(
     "--region", min=1, max=MAX_REGION, rich_help_panel=ROUTING, help=f"Tokens per region: a power of two up to {MAX_REGION}.")]
 WindowOpt = Annotated[int, typer.Option(
@@ -269,16 +268,16 @@ FollowOpt = Annotated[int, typer.Option(
     help="First choices of a step (the pins first) whose next region it also reads, so that a value copied "
     "out of a region's end goes on in the next (with --keep; each layer reads this many more regions).")]
 HintsOpt = Annotated[Optional[int], typer.Option(
-    "--hints", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING, show_default=f"{DEFAULT_HINTS}; a set of documents: {LIBRARY_HINTS}",
+    "--hints", min=0, max=MAX_TOP_K, rich_help_panel=ROUTING, show_default=f"{DEFAULT_HINTS}; a set read whole: {LIBRARY_HINTS}",
     help="Places of the question's rarest words whose regions are read in place of --top-k choices (geometric "
     "routing; 0: none): the word's region, and the next where its sentence runs on (top-k is raised to fit). "
     "Helps facts that differ from their look-alikes in one word; with --top-k 1 --question-pass steps a step "
     "reads the hinted sentence and nothing else beside the sinks and window.")]
 FocusOpt = Annotated[str, typer.Option(
     "--focus", rich_help_panel=ROUTING, case_sensitive=False,
-    help="What an answer about a set of documents reads: set (every document) or hinted (only the document that "
-    "holds the question's best hint, routed as that document alone would be: other documents' look-alikes are "
-    "not seen). A question that hints nowhere reads the set.")]
+    help="What an answer about a set of documents reads: hinted (only the document that holds the question's "
+    "rarest words, routed as that document alone would be: the other documents are not seen) or set (every "
+    "document, with the set's own route). A question whose words hint nowhere reads the set.")]
 LayerTopKOpt = Annotated[Optional[str], typer.Option(
     "--layer-top-k", metavar="LAYERS=K,...", rich_help_panel=ROUTING, show_default="the model's route, else none",
     help="Regions some layers read per step instead of --top-k, e.g. 16-23=8 (layers 16 to 23 read 8, the "
@@ -290,7 +289,7 @@ CentroidTypeOpt = Annotated[Optional[str], typer.Option(
     "--centroid-type", rich_help_panel=ROUTING, show_default=f"the model's route, else {DEFAULT_CENTROID_TYPE}",
     help="Type of the key centroids: f16, or q8_0 (about half the bytes).")]
 QuestionPassOpt = Annotated[Optional[str], typer.Option(
-    "--question-pass", rich_help_panel=ROUTING, show_default=f"{DEFAULT_QUESTION}; a set of documents: {LIBRARY_QUESTION}",
+    "--question-pass", rich_help_panel=ROUTING, show_default=f"{DEFAULT_QUESTION}; a set read whole: {LIBRARY_QUESTION}",
     help="How the question reads the document: dense (once, all of it), routed (once, --question-top-k "
     "regions) or steps (token by token, like the answer).")]
 AttentionOpt = Annotated[str, typer.Option(
@@ -315,7 +314,7 @@ PrefillUbatchOpt = Annotated[int, typer.Option(
 class RouteOptions:
     """The decode route's tuning and the key centroids it scores regions by (the session keeps them)."""
 
-    top_k: TopKOpt = None  # None: the model's route, or the library route's on a set (with hints and question_pass)
+    top_k: TopKOpt = None  # None: the model's route, or the library route's on a set read whole (with hints and question_pass)
     region: RegionOpt = DEFAULT_REGION
     window: WindowOpt = DEFAULT_WINDOW
     sinks: SinksOpt = DEFAULT_SINKS

@@ -81,6 +81,9 @@ def answer_summary(s: AnswerSummary) -> str:
         f"(question {s.n_question_tokens} tokens)",
         f"route: {s.route.describe()}",
     ]
+    if s.focus:
+        lines.append(f"read from: {s.focus} alone (the document that holds the question's rarest words; "
+                     "--focus set reads every document)")
     if s.steps and s.bytes_dense:
         lines.append(
             f"KV reads over {s.steps} {'step' if s.steps == 1 else 'steps'}: {human_bytes(s.bytes_read)} "

@@ -160,7 +160,17 @@ def model_route(sha256: str | None) -> ModelRoute:
 # choices. Off by default for one document (docs/experiments/hints-on-one-document.md).
 DEFAULT_HINTS = 0
 
-# A set of several documents (`kvlocal ask DOC DOC... "question"`, the TUI with a set): facts that
+# What a set's answer reads (--focus): "hinted", the one document that holds the question's best hint
+# (kvlocal/hints.py), as if it were asked alone: the answer's sequence sees the template's head and that
+# document's cells (patch 0023), then the prompt's middle again and the question, and routes within them
+# as one document does (its defaults); "set", every document. A question that hints nowhere reads the
+# whole set. Hinted is the default: on hand-written questions about real manuals it answers what each
+# manual alone answers, where the set's route below answers far fewer, and on planted look-alikes across
+# documents it answers what each document alone answers with the default route (docs/experiments/set-focus.md).
+FOCI = ("set", "hinted")
+DEFAULT_FOCUS = "hinted"
+
+# A set of several documents read whole (--focus set; `kvlocal ask DOC DOC... "question"`): facts that
 # recur across the documents with one word changed defeat the default route and dense attention alike
 # (the answers collapse onto one document's code), and a route that reads only the sentence of the
 # question's rarest word answers them (docs/experiments/library-hints.md; BENCHMARKS.md §6, "Several
@@ -169,18 +179,12 @@ DEFAULT_HINTS = 0
 # set's text takes the single-document defaults instead (routing.resolve_route). One document keeps the
 # defaults above: there the hinted route answered fewer look-alike facts than the default route
 # (docs/experiments/hints-on-one-document.md).
-# What a set's answer reads (--focus): "set", every document; "hinted", the one document that holds the
-# question's best hint (kvlocal/hints.py), as if it were asked alone: the answer's sequence sees the
-# template's head and that document's cells, then the prompt's middle again and the question, and routes
-# within them as one document does (its defaults). A question that hints nowhere reads the whole set.
-FOCI = ("set", "hinted")
-DEFAULT_FOCUS = "set"
 LIBRARY_TOP_K = 1
 LIBRARY_HINTS = 1
 LIBRARY_QUESTION = "steps"
 # A set's context keeps its centroids in this type unless --centroid-type is given, whatever the model's
-# route says: the set's route was measured with F16 centroids (the single-document route of the
-# default model with Q8_0 ones).
+# route says: the set's routes, focused and whole, were measured with F16 centroids (the
+# single-document route of the default model with Q8_0 ones).
 LIBRARY_CENTROID_TYPE = "f16"
 
 # How a document is prefilled: "dense" reads every earlier cell for every ubatch; "routed" lets a

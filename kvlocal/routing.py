@@ -330,9 +330,10 @@ def resolve_route(asked: RouteConfig | Route, calibrated: ModelRoute, facts: Rou
     tuned, taken as it is), with what was not given taken from the model's `calibrated` route and from
     the documents, then the facts of the document and the question.
 
-    - A set of several documents answers with the library route (route_settings: LIBRARY_TOP_K,
-      LIBRARY_HINTS, LIBRARY_QUESTION) where geometric routing asked for none of top-k, hints and the
-      question pass; a question that gets no hint there takes the route one document would.
+    - A set of several documents read whole (focus "set") answers with the library route (route_settings:
+      LIBRARY_TOP_K, LIBRARY_HINTS, LIBRARY_QUESTION) where geometric routing asked for none of top-k,
+      hints and the question pass; a question that gets no hint there takes the route one document would.
+      (A focused answer is resolved as one document: Session.resolve_answer_route.)
     - Where top-k and the budgets per layer were not given, the model's calibrated route sets them,
       and the floor of an automatic shortlist.
     - An automatic shortlist follows the prefix's cells; the hinted cells are found, and top-k is raised
@@ -342,6 +343,8 @@ def resolve_route(asked: RouteConfig | Route, calibrated: ModelRoute, facts: Rou
         route, unhinted = asked, None
     else:
         route, unhinted = _asked_route(asked, calibrated, facts.n_documents)
+    if facts.n_documents < 2:
+        route = replace(route, focus="set")  # one document: nothing to focus on
     if facts.n_documents > 1 and route.region > SET_LAYOUT_UNIT:
         raise UsageError(f"a set of documents is laid out in {SET_LAYOUT_UNIT}-cell units, so its regions are at most "
                          f"{SET_LAYOUT_UNIT} tokens (got --region {route.region})", setting="region")
@@ -369,7 +372,7 @@ def _asked_route(asked: RouteConfig, calibrated: ModelRoute, n_documents: int) -
     if asked.top_k is None and asked.layer_top_k is None:
         floor = calibrated.shortlist_floor if asked.shortlist == SHORTLIST_AUTO else 0
         own = replace(own, top_k=calibrated.top_k, layer_top_k=calibrated.layer_top_k, shortlist_floor=floor)
-    follows_set = asked.top_k is None and asked.hints is None and asked.question is None
+    follows_set = asked.focus == "set" and asked.top_k is None and asked.hints is None and asked.question is None
     if not follows_set or n_documents < 2 or own.route_mode != RouteMode.GEOMETRIC:
         return own, None
     library = Route(**{**settings, "top_k": LIBRARY_TOP_K, "hints": LIBRARY_HINTS, "question": LIBRARY_QUESTION})

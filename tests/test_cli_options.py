@@ -72,7 +72,7 @@ def test_ask_help_shows_the_everyday_options_first_then_routing_then_prefill():
     assert set(shown[ROUTING]) == ROUTING_OPTIONS
     assert set(shown[PREFILL]) == PREFILL_OPTIONS
     # defaults are shown, the model's route and a set's own too
-    assert "[default: (the model's route, else 4; a set of documents: 1)]" in result.output
+    assert "[default: (the model's route, else 4; a set read whole: 1)]" in result.output
 
 
 @pytest.mark.parametrize("command", ["tui", "eval grid", "bench document"])
@@ -261,22 +261,26 @@ def _resolved(options: dict, mode: str = "geometric", n_documents: int = 1, cali
 
 
 def test_a_set_route_follows_the_set_until_top_k_hints_or_the_question_pass_is_given():
-    """--top-k, --hints and --question-pass default to None: a route at its defaults follows the set
-    (the library route over several documents, the single-document one for a question without hints);
-    giving any of them takes the route as given, the others at their single-document defaults."""
+    """--top-k, --hints and --question-pass default to None: a route at its defaults follows the set.
+    Read whole (--focus set), the library route over several documents, the single-document one for a
+    question without hints; giving any of them takes the route as given, the others at their
+    single-document defaults. Focused on the hinted document (the default), the single-document route:
+    the session resolves the focused answer as one document of the cells it sees."""
     from kvlocal.route_settings import DEFAULT_QUESTION, DEFAULT_TOP_K, LIBRARY_HINTS, LIBRARY_QUESTION, LIBRARY_TOP_K
 
     one = _resolved({})
-    assert (one.top_k, one.hints, one.question) == (DEFAULT_TOP_K, 0, DEFAULT_QUESTION)
-    library = _resolved({}, n_documents=4)
+    assert (one.top_k, one.hints, one.question, one.focus) == (DEFAULT_TOP_K, 0, DEFAULT_QUESTION, "set")
+    assert _resolved({}, n_documents=4) == replace(one, focus="hinted")  # before the question: its intent
+    whole = {"focus": "set"}
+    library = _resolved(whole, n_documents=4)
     assert (library.top_k, library.hints, library.question) == (LIBRARY_TOP_K, LIBRARY_HINTS, LIBRARY_QUESTION)
-    hinted = _resolved({}, n_documents=4, hints=[640, 650], n_cells=64 * 40)
+    hinted = _resolved(whole, n_documents=4, hints=[640, 650], n_cells=64 * 40)
     assert hinted == replace(library, hint_cells=(640, 650), shortlist=16)
-    assert _resolved({}, n_documents=4, hints=[], n_cells=64 * 40) == replace(one, shortlist=16)
-    assert _resolved({}, "full", n_documents=4) == _resolved({}, "full")
+    assert _resolved(whole, n_documents=4, hints=[], n_cells=64 * 40) == replace(one, shortlist=16)
+    assert _resolved(whole, "full", n_documents=4) == _resolved({}, "full")
     for given in ({"top_k": 4}, {"hints": 0}, {"question_pass": "dense"}):
-        assert _resolved(given, n_documents=4) == _resolved(given) == one
-    assert "a set of documents: 1" in " ".join(run("ask", "--help").output.split())
+        assert _resolved({**whole, **given}, n_documents=4) == _resolved(given) == one
+    assert "a set read whole: 1" in " ".join(run("ask", "--help").output.split())
 
 
 def test_a_route_follows_the_model_until_top_k_or_layer_top_k_is_given():
@@ -293,13 +297,13 @@ def test_a_route_follows_the_model_until_top_k_or_layer_top_k_is_given():
     assert own.shortlist_at(8192) == 48  # the floor: an eighth of 128 regions is 16
     assert own.shortlist_at(32768 * 4) == 256  # past the floor: an eighth of 2,048 regions
     assert _resolved({}, calibrated=calibrated, n_cells=8192).shortlist == 48
-    assert _resolved({}) == Route()
+    assert _resolved({}) == Route(focus="set")  # one document: nothing to focus on
     assert _resolved({"shortlist": 32}, calibrated=calibrated).shortlist_floor == 0
     for given in ({"top_k": 4}, {"layer_top_k": ""}, {"layer_top_k": "0=2"}):
         assert _resolved(given, calibrated=calibrated) == _resolved(given)
-    library = _resolved({}, n_documents=4, calibrated=calibrated)
+    library = _resolved({"focus": "set"}, n_documents=4, calibrated=calibrated)
     assert (library.top_k, library.layer_top_k, library.shortlist_floor) == (LIBRARY_TOP_K, "", 0)
-    unhinted = _resolved({}, n_documents=4, calibrated=calibrated, hints=[])
+    unhinted = _resolved({"focus": "set"}, n_documents=4, calibrated=calibrated, hints=[])
     assert unhinted == own
     assert _resolved({}, "window", calibrated=calibrated).layer_top_k == "2-3=8"  # the controls: same budget
 
@@ -315,4 +319,4 @@ def test_a_route_resolved_before_is_taken_as_it_is():
     assert resolve_route(tuned, calibrated, RouteFacts(4)) == tuned
     found = resolve_route(tuned, calibrated, RouteFacts(4, 64 * 40, lambda n, region, skip: []))
     assert found == replace(tuned, shortlist=16)  # no fallback: a tuned route was asked for
-    assert resolve_route(Route(mode="window"), calibrated) == Route(mode="window")
+    assert resolve_route(Route(mode="window"), calibrated) == Route(mode="window", focus="set")  # one document

@@ -341,23 +341,29 @@ def test_several_sequences_keep_centroids_in_one_stream_only(tiny_model, unified
         m.llama_model_free(model)
 
 
-def test_a_set_answers_with_its_own_route_unless_the_route_was_tuned(lib):
-    """A set of several documents with the route at its defaults (none of top-k, hints, question pass given) takes the library route
+def test_a_set_read_whole_answers_with_its_own_route_unless_the_route_was_tuned(lib):
+    """A set of several documents read whole (--focus set) with the route at its defaults (none of top-k, hints, question pass given) takes the library route
     of route_settings; a question whose words hint nowhere takes the defaults instead; one document, a
-    tuned route and full attention stay as given. The summary holds the route the answer took."""
+    tuned route and full attention stay as given. The summary holds the route the answer took. By
+    default (--focus hinted) the hinted document is read alone, with one document's route."""
     from kvlocal.route_settings import LIBRARY_HINTS, LIBRARY_QUESTION, LIBRARY_TOP_K
 
     lines = [f"row {i} holds {i * 5 % 89} coins." for i in range(40)]
     lines[20] = "row 20 holds the zanzibar ledger code 4242."
     Z = Document(" ".join(lines), "z.txt", "txt")
-    defaults = RouteConfig(top_k=None, hints=None, question=None)
     load_set(lib, [A, Z])
+    focused = lib.answer("Which ledger code does Zanzibar hold?", route=RouteConfig(top_k=None, hints=None, question=None),
+                         max_tokens=2)
+    assert focused.focus == "z.txt" and focused.route.focus == "hinted"
+    assert (focused.route.top_k, focused.route.hints, focused.route.question) == (4, 0, "dense")
+    defaults = RouteConfig(top_k=None, hints=None, question=None, focus="set")
     hinted = lib.answer("Which ledger code does Zanzibar hold?", route=defaults, max_tokens=2)
     assert hinted.hint_cells and lib.document_at(hinted.hint_cells[0]).label == "z.txt"
     assert (hinted.route.hints, hinted.route.question) == (LIBRARY_HINTS, LIBRARY_QUESTION)
     assert LIBRARY_TOP_K <= hinted.route.top_k <= 2  # raised to the hinted regions where its sentence runs on
     plain = lib.answer("Which value?", route=defaults, max_tokens=2)  # no rare word: the defaults
-    assert plain.hint_cells == () and plain.route == replace(Route(), shortlist=Route().shortlist_at(lib.prefix_cells))
+    assert plain.hint_cells == () and plain.route == replace(Route(), shortlist=Route().shortlist_at(lib.prefix_cells),
+                                                             focus="set")
     tuned = RouteConfig(top_k=3)  # a route given on the command line is taken as it is
     assert lib.answer("Which ledger code does Zanzibar hold?", route=tuned, max_tokens=1).route.top_k == 3
     assert lib.answer(QUESTION, route=replace(defaults, mode="full"), max_tokens=1).route.mode == "full"

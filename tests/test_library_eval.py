@@ -501,11 +501,13 @@ def test_the_command_line_hands_one_config_to_the_runner(monkeypatch, tmp_path):
     assert (config.lengths, config.seeds, config.modes) == ([2048, 4096], [1, 2], ["full", "geometric"])
     assert (config.references, config.layout, config.facts_per_doc) == ([ALONE, CONCAT], "parallel", 3)
     assert config.route.top_k == 3 and config.max_tokens == 5 and config.answer_tokens == 5
-    assert config.alone_modes == ("full",) and config.route.focus == "set"
+    assert config.alone_modes == ("full",) and config.route.focus == "hinted"
     configs.clear()
-    assert run("eval", "library", "2", "--alone-modes", "full,geometric", "--focus", "hinted",
+    assert run("eval", "library", "2", "--alone-modes", "full,geometric", "--focus", "set",
                "--out", str(tmp_path / "ev")).exit_code == 0
-    assert configs[0][0].alone_modes == ("full", "geometric") and configs[0][0].route.focus == "hinted"
+    assert configs[0][0].alone_modes == ("full", "geometric") and configs[0][0].route.focus == "set"
+    configs.clear()
+    assert run("eval", "library", "2", "--out", str(tmp_path / "ev")).exit_code == 0
     # a focused set's rows record the route of the one document it reads; each alone, its own
     assert configs[0][0].route_of("geometric", 2).focus == "hinted"
     assert configs[0][0].route_of("geometric", 1).focus == "set"
@@ -534,9 +536,9 @@ def test_eval_library_runs_on_the_tiny_model_and_prints_the_table(library_run, t
     lines = result.stdout.strip().splitlines()
     assert lines[0].startswith("| set | answered by | mode |") and "kvlocal:" not in result.stdout
     table = [line for line in lines if line.startswith("| 2 x 2k |")]
-    assert [line.split(" | ")[1:3] for line in table[:3]] == [["the set (consecutive)", "full"],
-                                                            # the set's own route: no route option given
-                                                            ["the set (consecutive)", "geometric top-1 hints 1, question steps"],
+    assert [line.split(" | ")[1:3] for line in table[:3]] == [["the set (consecutive)", "full, within the hinted document"],
+                                                            # focused: one document's route
+                                                            ["the set (consecutive)", "geometric top-4, within the hinted document"],
                                                             ["its document alone", "full"]]
     assert all(line.split(" | ")[4] == "2" for line in table[:3])  # n: a fact in each of 2 documents
     assert re.search(r"^\| 2 x 2k \| [\d,]+ \| consecutive \| 1 \| [\d.]+ s \|  \|  \|$", result.stdout, re.M)

@@ -131,4 +131,4 @@ def test_a_focus_is_one_of_the_known_ones():
         RouteConfig(focus="nearest")
     assert exc.value.setting == "focus"
     assert "hint" in Route(mode="full", focus="hinted").describe()
-    assert "hint" not in Route(mode="geometric").describe()
+    assert "hint" not in Route(mode="geometric", focus="set").describe()

@@ -135,7 +135,7 @@ class KvlocalApp(App[None]):
         self.session_factory = session_factory or default_session_factory(model, threads)
         self.session: Any = None
         self.document: LoadedDocument | None = None
-        # the defaults: a set of documents takes its own route, and the model its calibrated budget
+        # the defaults: a set's answer reads the hinted document, and the model takes its calibrated budget
         self.route = route or DEFAULT_ROUTE
         self.prefill = prefill or PrefillConfig()
         self.max_tokens = max_tokens
