@@ -243,8 +243,10 @@ class AnswerBatch:
 
 
 _OWN_SETTINGS = frozenset({"hint_cells"})  # set per sequence (set_hints); the rest is one per batch (apply_route)
+# not the engine's: what a set's answer reads (a batch's answers are each about one document of a shelf)
+_NOT_ENGINE_SETTINGS = frozenset({"focus"})
 
 
 def _shared(route: Route) -> tuple:
     """What of `route` the engine takes for a whole batch: all but an answer's own hinted cells."""
-    return tuple(getattr(route, f.name) for f in fields(route) if f.name not in _OWN_SETTINGS)
+    return tuple(getattr(route, f.name) for f in fields(route) if f.name not in _OWN_SETTINGS | _NOT_ENGINE_SETTINGS)

@@ -42,6 +42,7 @@ from kvlocal.route_settings import (
     MAX_ANSWERS,
     MAX_THREADS,
     MIN_CTX,
+    SET_LAYOUT_UNIT,
     ModelRoute,
     model_route,
 )
@@ -745,6 +746,8 @@ class Session:
         of several that holds its best hint; None where the answer reads the whole set."""
         if asked.focus != "hinted" or self.n_documents < 2 or self.answers > 1 or self.shelf:
             return None
+        if asked.region > SET_LAYOUT_UNIT:
+            return None  # the set's route refuses it (resolve_route): a region would hold two documents' cells
         skip = -(-asked.sinks // asked.region)
         cells = self._hint_finder(question, self.prefix)(1, asked.region, skip)
         return self.document_at(cells[0]) if cells else None

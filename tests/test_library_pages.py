@@ -130,7 +130,7 @@ def test_a_set_knows_the_cell_each_page_starts_at_and_its_reads_by_page(lib, tmp
 
     tally = lib.read_tally()
     rows = 0
-    for piece in lib.ask("which valve holds 40 litres?", route=Route(mode="geometric", top_k=2, region=64),
+    for piece in lib.ask("which valve holds 40 litres?", route=Route(mode="geometric", top_k=2, region=64, focus="set"),
                          max_tokens=6, want_regions=True):
         tally.add(piece.stats)
         rows += piece.stats.rows_read if piece.stats else 0

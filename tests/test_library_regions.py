@@ -62,7 +62,7 @@ def test_no_region_of_any_allowed_size_straddles_two_documents(loaded, region):
 def test_the_regions_the_engine_reads_at_the_largest_size_hold_one_document_each(loaded):
     """Every region selected: the engine reports each region it read, by id, at its region size."""
     answer = loaded.ask("Which value does entry 3 hold?", route=RouteConfig(mode="geometric", region=SET_LAYOUT_UNIT,
-                                                                             top_k=10_000), max_tokens=3,
+                                                                             top_k=10_000, focus="set"), max_tokens=3,
                         want_regions=True)
     steps = [piece.stats for piece in answer if piece.stats is not None]
     assert steps and all(st.region_size == SET_LAYOUT_UNIT for st in steps)
@@ -77,3 +77,6 @@ def test_a_set_refuses_regions_longer_than_its_layout_unit(loaded, region):
     with pytest.raises(UsageError, match="at most 64"):
         list(loaded.ask("Which value does entry 3 hold?", route=RouteConfig(mode="geometric", region=region),
                         max_tokens=2))
+    with pytest.raises(UsageError, match="at most 64"):  # a focused answer too: the set's regions are its
+        list(loaded.ask("Which value does entry 3 hold?", route=RouteConfig(mode="geometric", region=region,
+                                                                            focus="hinted"), max_tokens=2))
