@@ -568,6 +568,8 @@ class KvlocalApp(App[None]):
         entry.reads = reads
         entry.summary = summary
         parts = [route_label(entry.route), f"{summary.n_answer_tokens} tok", f"{summary.decode_rate:,.1f} tok/s"]
+        if summary.focus:  # a set's answer read one document (--focus hinted)
+            parts.insert(1, f"from {summary.focus}")
         if entry.route.mode == "full":
             parts.append("dense KV read")
         elif summary.bytes_dense:
