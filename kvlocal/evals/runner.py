@@ -133,8 +133,9 @@ ROUTE_KEY = (
 )
 # the route fields a row records that its key holds elsewhere or not at all: the mode and the question
 # pass (question, question_top_k: `question_pass`) are in the case part; the attention path is how the
-# chosen cells are read, not which
-NOT_IN_ROUTE_KEY = ("mode", "question", "question_top_k", "attention")
+# chosen cells are read, not which; the focus is a set's (the library's key holds it in its case part,
+# library_runner.answer_key; one document reads itself whatever it is)
+NOT_IN_ROUTE_KEY = ("mode", "question", "question_top_k", "attention", "focus")
 
 
 def route_key(row: dict) -> tuple:
