@@ -755,9 +755,9 @@ class EngineContext:
         return [np.ctypeslib.as_array(module.llama_get_logits_ith(self._llm.ctx, i), shape=(self.n_vocab,)).copy()
                 for i in range(len(steps))]
 
-    def decode_sequence(self, seq: int, tokens: Sequence[int], pos: int) -> np.ndarray:
+    def feed_sequence(self, seq: int, tokens: Sequence[int], pos: int) -> None:
         """Decode `tokens` into sequence `seq` from position `pos` on (in batches of the context's
-        n_batch) and return the logits of the last one (a copy); `n_tokens` does not move."""
+        n_batch), the last one's logits left for `last_logits`; `n_tokens` does not move."""
         if not tokens:
             raise UsageError("nothing to decode")
         n_batch = self._llm.n_batch
@@ -765,6 +765,10 @@ class EngineContext:
             chunk = tokens[start:start + n_batch]
             steps = [SequenceStep(seq, token, pos + start + j) for j, token in enumerate(chunk)]
             decode_batch(self._llm.ctx, steps, logits=[j == len(chunk) - 1 for j in range(len(chunk))])
+
+    def decode_sequence(self, seq: int, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """feed_sequence, and the logits of the last token (a copy, kept past the next decode)."""
+        self.feed_sequence(seq, tokens, pos)
         return self.last_logits().copy()
 
     def last_logits(self) -> np.ndarray:

@@ -137,7 +137,7 @@ class AnswerTokens:
         if self.focus is None:
             self.context.decode(tokens)
             return
-        self.context.decode_sequence(STAGING_SEQ, tokens, self.position)
+        self.context.feed_sequence(STAGING_SEQ, tokens, self.position)
         self.position += len(tokens)
 
 
@@ -552,7 +552,7 @@ class Session:
                     context.apply_route(routed, batch_top_k=prefill.top_k)
                     routing = True
                 if self.shelf or self._homes != 1:
-                    context.decode_sequence(self.prefix.seq, tokens[i:end], i)
+                    context.feed_sequence(self.prefix.seq, tokens[i:end], i)
                 else:
                     context.decode(tokens[i:end])
                 stats = context.read_stats(with_regions=False)
@@ -764,7 +764,7 @@ class Session:
         end = span.position + (span.end - span.start)
         if middle:
             context.apply_route(Route(mode="full"))
-            context.decode_sequence(STAGING_SEQ, middle, end)
+            context.feed_sequence(STAGING_SEQ, middle, end)
         return AnswerFocus(span, head + (span.end - span.start) + len(middle), end + len(middle), len(middle))
 
     def rewind(self) -> None:
