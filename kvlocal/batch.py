@@ -242,11 +242,11 @@ class AnswerBatch:
 
 
 
-_OWN_SETTINGS = frozenset({"hint_cells"})  # set per sequence (set_hints); the rest is one per batch (apply_route)
-# not the engine's: what a set's answer reads (a batch's answers are each about one document of a shelf)
-_NOT_ENGINE_SETTINGS = frozenset({"focus"})
+# not one per batch: the hinted cells are set per sequence (set_hints), and the focus is not the engine's (a
+# batch's answers are each about one document of a shelf); the rest is (apply_route)
+_NOT_SHARED = frozenset({"hint_cells", "focus"})
 
 
 def _shared(route: Route) -> tuple:
-    """What of `route` the engine takes for a whole batch: all but an answer's own hinted cells."""
-    return tuple(getattr(route, f.name) for f in fields(route) if f.name not in _OWN_SETTINGS | _NOT_ENGINE_SETTINGS)
+    """What of `route` the engine takes for a whole batch: all but an answer's own hinted cells (and its focus)."""
+    return tuple(getattr(route, f.name) for f in fields(route) if f.name not in _NOT_SHARED)

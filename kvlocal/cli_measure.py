@@ -290,7 +290,8 @@ def eval_library(
     mode_list, length_list = _modes(modes, routing), parse_lengths(lengths)
     alone_list = tuple(_modes(alone_modes, routing))
     configs = [LibraryConfig(n, length_list, parse_seeds(seeds), mode_list, route=routing.config(DEFAULT_MODE),
-                             references=refs, alone_modes=alone_list, facts_per_doc=facts_per_doc, layout=None if layout == "auto" else layout,
+                             references=refs, alone_modes=alone_list, facts_per_doc=facts_per_doc,
+                             layout=None if layout == "auto" else layout,
                              max_tokens=max_tokens, sets_per_seed=sets_per_seed, paraphrase=paraphrase) for n in size_list]
     _check_out_folder(out)
     filler = _haystack_text(haystack)

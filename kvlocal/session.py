@@ -121,9 +121,18 @@ class AnswerFocus:
     alone (the other documents are neither seen nor read)."""
 
     span: DocumentSpan
-    n_cells: int  # the cells the sequence sees before its question: the head, the document, the middle
-    position: int  # where its question starts
+    head: int  # the template head's cells (the set's first)
     added: int  # the cells it took beside the set's: the middle's
+
+    @property
+    def n_cells(self) -> int:
+        """The cells the sequence sees before its question: the head, the document, the middle."""
+        return self.head + (self.span.end - self.span.start) + self.added
+
+    @property
+    def position(self) -> int:
+        """Where its question starts: after the document's cells and the middle."""
+        return self.span.position + (self.span.end - self.span.start) + self.added
 
 
 class AnswerTokens:
@@ -741,10 +750,11 @@ class Session:
             route = replace(route, hint_cells=tuple(c + prefix.first_cell for c in route.hint_cells))
         return route
 
-    def answer_focus(self, question: str, asked: RouteConfig | Route) -> DocumentSpan | None:
+    def _answer_focus(self, question: str, asked: RouteConfig | Route) -> DocumentSpan | None:
         """The document a focused answer to `question` reads (`asked.focus` "hinted"): the one of a set
-        of several that holds its best hint; None where the answer reads the whole set."""
-        if asked.focus != "hinted" or self.n_documents < 2 or self.answers > 1 or self.shelf:
+        of several that holds its best hint; None where the answer reads the whole set (and where the
+        staging sequence is an answer's: answers decoded together)."""
+        if asked.focus != "hinted" or self.n_documents < 2 or self.answers > 1:
             return None
         if asked.region > SET_LAYOUT_UNIT:
             return None  # the set's route refuses it (resolve_route): a region would hold two documents' cells
@@ -765,7 +775,7 @@ class Session:
         if middle:
             context.apply_route(Route(mode="full"))
             context.feed_sequence(STAGING_SEQ, middle, end)
-        return AnswerFocus(span, head + (span.end - span.start) + len(middle), end + len(middle), len(middle))
+        return AnswerFocus(span, head, len(middle))
 
     def rewind(self) -> None:
         """Drop the previous question and answer of the document's own sequence (kvlocal.batch starts so;
@@ -875,7 +885,7 @@ class Session:
         context = self.context
         with self._lock:
             self._rewind()
-            span = self.answer_focus(question, asked)
+            span = self._answer_focus(question, asked)
             focus = self._enter_focus(span) if span is not None else None
             route = self.resolve_answer_route(question, asked, n_documents, focus=focus)
             context.set_hints(route.hint_cells)
