@@ -42,6 +42,7 @@ from kvlocal.cli_options import (
     PlotsOpt,
     PrefillFromOpt,
     PrefillLengthsOpt,
+    PrefillRoutedOpt,
     PrefillOpt,
     PrefillOptions,
     QuestionFileArg,
@@ -380,6 +381,7 @@ def bench_document(
     plain_loop: PlainLoopOpt = False,
     other_attention: OtherAttentionOpt = False,
     prefill_lengths: PrefillLengthsOpt = "8k,16k,32k",
+    prefill_routed: PrefillRoutedOpt = True,
     prefilling: PrefillOptions = PrefillOptions(),
     distributed: RpcOptions = RpcOptions(),
     here: HereOpt = True,
@@ -417,7 +419,7 @@ def bench_document(
     common.check_lengths_fit(session, context_lengths + prefill_context)
     results = b.bench_lengths(session, context_lengths, route, n_tokens=tokens, log=log, controls=controls,
                               plain_loop=plain_loop, other_attention=other_attention)
-    prefills = b.bench_prefill(session, prefill_context, prefill_cfg, log=log)
+    prefills = b.bench_prefill(session, prefill_context, prefill_cfg, log=log, routed=prefill_routed)
     small = make_case(session, "passkey", 4096, [0.5], 1) if ttft or upkeep else None  # the 4k document
     first_token = b.time_to_first_token(session, small.text, route, small.probes[0].question) if ttft else {}
     report = b.document_report(session, results, route, prefill_cfg, prefills, first_token, here_runs)

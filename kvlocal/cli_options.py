@@ -125,8 +125,12 @@ OtherAttentionOpt = Annotated[bool, typer.Option(
     "--other-attention", help="Also time the geometric route read by the other attention path than --attention's "
     "(in place, or gathered).")]
 PrefillLengthsOpt = Annotated[str, typer.Option(
-    "--prefill-lengths", rich_help_panel=PREFILL, help="Lengths prefilled twice, dense then routed, neither from the "
-    "cache; none: skip (32k dense: ~30 min on 2 cores).")]
+    "--prefill-lengths", rich_help_panel=PREFILL, help="Lengths prefilled from scratch (not from the cache), dense "
+    "then routed; none: skip (a 32k document takes tens of minutes each way on 2 cores).")]
+PrefillRoutedOpt = Annotated[bool, typer.Option(
+    "--prefill-routed/--no-prefill-routed", rich_help_panel=PREFILL,
+    help="Also prefill each --prefill-lengths document routed (--prefill routed) and compare; --no-prefill-routed "
+         "times the dense prefill only (half the time).")]
 RulesOpt = Annotated[str, typer.Option("--rules", help="Selection rules to replay (comma-separated), or 'all'.")]
 BudgetsOpt = Annotated[str, typer.Option("--budgets", help="Regions selected per layer and KV head.")]
 LayerBudgetOpt = Annotated[str, typer.Option(

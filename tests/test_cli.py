@@ -303,6 +303,19 @@ def test_bench_reports_speed_ttft_and_upkeep(cache_dir, tiny_model, tmp_path):
     assert "| geometric tok/s |" in result.stdout and "centroid upkeep" in result.stdout
 
 
+def test_bench_dense_prefill_only(cache_dir, tiny_model, tmp_path):
+    out = tmp_path / "bench.json"
+    result = run("bench", "--model", str(tiny_model), "--lengths", "2k", "--tokens", "2", "--centroid-block", "32",
+                 "--no-upkeep", "--no-ttft", "--prefill-lengths", "2k", "--no-prefill-routed", "--out", str(out))
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(out.read_text())
+    [prefill] = report["prefill_lengths"]
+    assert prefill["dense_s"] > 0 and prefill["routed_s"] is None and prefill["speedup"] is None
+    assert report["prefill"] == "dense only"
+    assert "prefill, dense only:" in result.stdout and "| – | – | – |" in result.stdout
+    assert "routed in" not in result.stderr  # no routed prefill was run
+
+
 def test_bench_without_ttft_prefills_nothing_past_its_lengths(cache_dir, tiny_model, tmp_path):
     # the Vulkan check decodes a state the CPU saved: a slow device must not prefill the 4k document
     out = tmp_path / "bench.json"

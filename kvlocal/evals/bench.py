@@ -142,27 +142,30 @@ def bench_lengths(session: Session, lengths: list[int], route: RouteConfig, *, n
 
 @dataclass
 class PrefillRun:
-    """One document prefilled twice back to back, densely and routed, neither from the cache."""
+    """One document prefilled from scratch, densely and (unless the bench was told dense only) then routed."""
 
     length: int
     n_tokens: int
     dense_s: float
-    routed_s: float
-    bytes_reduction: float  # attention K/V and metadata bytes the routed prefill read, vs dense
+    routed_s: float | None  # None: not prefilled routed
+    bytes_reduction: float | None  # attention K/V and metadata bytes the routed prefill read, vs dense
 
     @property
-    def speedup(self) -> float:
-        return self.dense_s / self.routed_s if self.routed_s else 0.0
+    def speedup(self) -> float | None:
+        return self.dense_s / self.routed_s if self.routed_s else None
 
 
 def bench_prefill(session: Session, lengths: list[int], prefill: PrefillConfig, *,
-                  log: Callable[[str], None] = print) -> list[PrefillRun]:
-    """Seconds to prefill the eval grid's passkey haystack of each length, dense then routed."""
+                  log: Callable[[str], None] = print, routed: bool = True) -> list[PrefillRun]:
+    """Seconds to prefill the eval grid's passkey haystack of each length, dense then (with `routed`) routed."""
     results = []
     for length in lengths:
         text = _haystack(session, length)
         dense = session.load_document(text, label=f"bench prefill {length}", use_cache=False)
         log(f"prefill {length}: {dense.n_tokens:,} tokens dense in {dense.seconds:.1f} s ({dense.rate:,.1f} tok/s)")
+        if not routed:
+            results.append(PrefillRun(length, dense.n_tokens, dense.seconds, None, None))
+            continue
         routed = session.load_document(text, label=f"bench prefill {length}", use_cache=False, prefill=prefill)
         reduction = routed.reads.reduction if routed.reads else 1.0
         log(f"prefill {length}: routed in {routed.seconds:.1f} s ({routed.rate:,.1f} tok/s), "
@@ -307,7 +310,7 @@ def document_report(session: Session, results: list[LengthResult], route: RouteC
         **machine_fields(session),
         "route": session.route_for(route).describe(),
         "lengths": [length_fields(r, session.model.info.file_size, h) for r, h in zip(results, here or [None] * len(results))],
-        "prefill": prefill.describe(),
+        "prefill": prefill.describe() if any(p.routed_s for p in prefills) else "dense only",
         "prefill_lengths": [{"length": p.length, "n_tokens": p.n_tokens, "dense_s": p.dense_s, "routed_s": p.routed_s,
                              "speedup": p.speedup, "bytes_reduction": p.bytes_reduction} for p in prefills],
         "ttft_fresh_s": first_token.get("fresh"), "ttft_cached_s": first_token.get("cached"),

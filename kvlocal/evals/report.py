@@ -551,8 +551,7 @@ def bench_markdown(runs: list[tuple[str, dict]]) -> str:
             rate = d["n_tokens"] / d["dense_s"]
             relative = rate / (shortest["n_tokens"] / shortest["dense_s"])
             lines.append(f"| {name} | {run.get('prefill', '')} | {d['n_tokens']:,} | {d['dense_s']:.1f} "
-                         f"| {rate:,.1f} ({relative:.2f}x) | {d['routed_s']:.1f} "
-                         f"| {d['speedup']:.2f}x | {d['bytes_reduction']:.1f}x |")
+                         f"| {rate:,.1f} ({relative:.2f}x) | {_routed_cells(d)} |")
     return "\n".join(lines)
 
 
@@ -610,15 +609,22 @@ def decode_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _routed_cells(prefill: dict) -> str:
+    """A prefill row's routed seconds, speed-up and byte reduction, or dashes where the bench prefilled dense only."""
+    if not prefill.get("routed_s"):
+        return "– | – | –"
+    return f"{prefill['routed_s']:.1f} | {prefill['speedup']:.2f}x | {prefill['bytes_reduction']:.1f}x"
+
+
 def bench_text(report: dict) -> str:
     """What `kvlocal bench` prints of its report: the decode table, then the prefill, time to first
     token, memory and centroid upkeep lines of what it measured."""
     lines = [decode_table(report)]
     if report.get("prefill_lengths"):
-        lines += ["", f"prefill, dense vs {report['prefill']}:",
+        compared = "dense only" if report["prefill"] == "dense only" else f"dense vs {report['prefill']}"
+        lines += ["", f"prefill, {compared}:",
                   "| context | dense s | routed s | speedup | attention bytes read, reduction |", "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {p['n_tokens']:,} | {p['dense_s']:.1f} | {p['routed_s']:.1f} | {p['speedup']:.2f}x "
-                  f"| {p['bytes_reduction']:.1f}x |" for p in report["prefill_lengths"]]
+        lines += [f"| {p['n_tokens']:,} | {p['dense_s']:.1f} | {_routed_cells(p)} |" for p in report["prefill_lengths"]]
     if report.get("ttft_fresh_s") is not None:
         fresh, cached = report["ttft_fresh_s"], report["ttft_cached_s"]
         lines.append(f"time to first token (4k document): fresh {fresh:.1f} s, cached {cached:.2f} s ({fresh / cached:.0f}x)")
