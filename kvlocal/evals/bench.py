@@ -310,7 +310,7 @@ def document_report(session: Session, results: list[LengthResult], route: RouteC
         **machine_fields(session),
         "route": session.route_for(route).describe(),
         "lengths": [length_fields(r, session.model.info.file_size, h) for r, h in zip(results, here or [None] * len(results))],
-        "prefill": prefill.describe() if any(p.routed_s for p in prefills) else "dense only",
+        "prefill": "dense only" if prefills and not any(p.routed_s for p in prefills) else prefill.describe(),
         "prefill_lengths": [{"length": p.length, "n_tokens": p.n_tokens, "dense_s": p.dense_s, "routed_s": p.routed_s,
                              "speedup": p.speedup, "bytes_reduction": p.bytes_reduction} for p in prefills],
         "ttft_fresh_s": first_token.get("fresh"), "ttft_cached_s": first_token.get("cached"),
