@@ -126,7 +126,7 @@ OtherAttentionOpt = Annotated[bool, typer.Option(
     "(in place, or gathered).")]
 PrefillLengthsOpt = Annotated[str, typer.Option(
     "--prefill-lengths", rich_help_panel=PREFILL, help="Lengths prefilled from scratch (not from the cache), dense "
-    "then routed; none: skip (a 32k document takes tens of minutes each way on 2 cores).")]
+    "then routed; none: skip (a 32k document dense: 12-19 min on 2 cores, BENCHMARKS.md §10).")]
 PrefillRoutedOpt = Annotated[bool, typer.Option(
     "--prefill-routed/--no-prefill-routed", rich_help_panel=PREFILL,
     help="Also prefill each --prefill-lengths document routed (--prefill routed) and compare; --no-prefill-routed "

@@ -621,7 +621,8 @@ def bench_text(report: dict) -> str:
     token, memory and centroid upkeep lines of what it measured."""
     lines = [decode_table(report)]
     if report.get("prefill_lengths"):
-        compared = "dense only" if report["prefill"] == "dense only" else f"dense vs {report['prefill']}"
+        dense_only = not any(p.get("routed_s") for p in report["prefill_lengths"])
+        compared = "dense only" if dense_only else f"dense vs {report['prefill']}"
         lines += ["", f"prefill, {compared}:",
                   "| context | dense s | routed s | speedup | attention bytes read, reduction |", "|---:|---:|---:|---:|---:|"]
         lines += [f"| {p['n_tokens']:,} | {p['dense_s']:.1f} | {_routed_cells(p)} |" for p in report["prefill_lengths"]]
