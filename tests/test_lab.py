@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvlocal.lab import rules as lab_rules
-from kvlocal.lab.rules import Geometry, Head, mean_rule, oracle_rule, replay, two_level_rule
+from kvlocal.lab.rules import Geometry, Head, bound_rule, mean_rule, oracle_rule, replay, token_max_rule, two_level_rule
 
 GEO = Geometry(region=4, sinks=4, window=4)
 
@@ -85,6 +85,45 @@ def test_q8_0_round_trip_by_hand():
     x[0], x[1], x[2] = 127.0, -63.4, 0.3  # scale 1: values round to integers
     assert lab_rules.quantize_q8_0(x)[:3].tolist() == [127.0, -63.0, 0.0]
     assert lab_rules.quantize_q8_0(np.zeros(32, np.float32)).tolist() == [0.0] * 32
+
+
+def test_bound_is_at_least_every_key_score_and_exact_for_one_key_regions():
+    rng = np.random.default_rng(1)
+    head = Head(q=rng.normal(size=(2, 3, 8)).astype(np.float32), keys=rng.normal(size=(38, 8)).astype(np.float32),
+                pos=np.array([36, 37]), scale=1.0)
+    cand = np.ones((2, 10), bool)
+    bound, scan = bound_rule(4)(head, GEO, cand)
+    exact, _ = token_max_rule(head, GEO, cand)  # the best key of each region, the group's best head
+    assert (bound >= exact - 1e-2).all()  # F16 bounds: within rounding of an upper bound
+    assert scan.tolist() == [2 * 10, 2 * 10]  # a max and a min row per region
+    one, _ = bound_rule(1)(head, GEO, cand)  # one cell a block: the bound is the key itself
+    np.testing.assert_allclose(one[:, :9], exact[:, :9], atol=2e-2)
+
+
+def test_bound_finds_a_one_channel_spike_that_the_mean_washes_out():
+    """A region whose keys cancel on average but hold one key aligned with the query: the mean scores it
+    0 (as every other region), the bound scores it by that key."""
+    keys = np.zeros((24, 2), np.float32)
+    keys[8:12, 1] = [5.0, -5.0, 5.0, -5.0]  # region 2: mean 0 on both channels
+    keys[8, 0], keys[9, 0] = 6.0, -6.0
+    keys[16:20, 0] = 0.5  # region 4: a mild, even preference
+    q = np.array([[[1.0, 0.0]]], np.float32)
+    head = Head(q=q, keys=keys, pos=np.array([23]), scale=1.0)
+    assert not bool(replay(head, GEO, mean_rule(4), [1], (8, 9))[1].fact_hit[0, 0])
+    r = replay(head, GEO, bound_rule(4), [1], (8, 9))[1]
+    assert bool(r.fact_hit[0, 0]) and r.fact_rank.tolist() == [1]
+
+
+def test_share_budget_reads_one_region_where_one_holds_the_share_and_more_where_scores_are_flat():
+    spike = one_spike_head()  # region 2 holds the spike; the other candidates score 0
+    rule = lab_rules.share_budget_rule(lab_rules.persistent_rule(mean_rule(4), 0.9), 0.5)
+    r = replay(spike, GEO, rule, [3], (9, 10))[3]
+    assert bool(r.fact_hit[0, 0]) and r.rows_read.tolist() == [12]  # sinks, window and the spike's region only
+    flat = one_spike_head()
+    flat.keys[9, 0] = 0.0  # every candidate scores the same: the share needs half of the four, k caps at 3
+    assert replay(flat, GEO, rule, [3], (9, 10))[3].rows_read.tolist() == [8 + 2 * 4]
+    assert replay(flat, GEO, lab_rules.share_budget_rule(lab_rules.persistent_rule(mean_rule(4), 0.9), 0.9),
+                  [3], (9, 10))[3].rows_read.tolist() == [8 + 3 * 4]
 
 
 def test_question_pins_keep_what_the_question_found():

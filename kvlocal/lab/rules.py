@@ -16,6 +16,7 @@ import numpy as np
 from kvlocal.route_settings import DEFAULT_REGION, DEFAULT_SINKS, DEFAULT_WINDOW
 
 NEG = -np.inf
+PINNED = 1e30  # the score question_pin_rule gives a pinned region (above every share)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,63 @@ def mean_rule(block: int, kind: str = "f16") -> Rule:
     return rule
 
 
+def block_bounds(keys: np.ndarray, block: int, n_regions: int, region: int, kind: str = "f16"
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel max and min key of every `block` cells ([n_regions*region/block, dim] each), stored
+    as `kind`; cells past the last key take the block's own values (an empty block bounds nothing)."""
+    k = keys[: n_regions * region]
+    n = n_regions * region
+    if k.shape[0] < n:  # the last region's missing cells repeat its last key: the bound stays the block's
+        k = np.concatenate([k, np.repeat(k[-1:], n - k.shape[0], axis=0)])
+    blocks = k.reshape(-1, block, k.shape[1])
+    kmax, kmin = blocks.max(axis=1), blocks.min(axis=1)
+    if kind == "q8_0":
+        return quantize_q8_0(kmax), quantize_q8_0(kmin)
+    return kmax.astype(np.float16).astype(np.float32), kmin.astype(np.float16).astype(np.float32)
+
+
+def bound_rule(block: int, kind: str = "f16") -> Rule:
+    """Quest's bound: per `block` cells, the per-channel max and min key; a query scores the block by
+    sum_d max(q_d kmax_d, q_d kmin_d) = relu(q).kmax - relu(-q).kmin, an upper bound of every q.k in
+    it; max over the region's blocks and the group. Scan: two key rows per block, stored as `kind`."""
+
+    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        n_reg = _n_regions(head, geo)
+        kmax, kmin = block_bounds(head.keys, block, n_reg, geo.region, kind)
+        qp, qn = np.maximum(head.q, 0), np.maximum(-head.q, 0)
+        bs = np.einsum("sgd,bd->sgb", qp, kmax) - np.einsum("sgd,bd->sgb", qn, kmin)
+        sc = _region_max(bs, geo.region // block)
+        scan = np.full(len(head.pos), 2 * n_reg * geo.region // block * ROW_SHARE[kind])
+        return sc, scan
+
+    return rule
+
+
+def block_variances(keys: np.ndarray, block: int, n_regions: int, region: int, kind: str = "f16") -> np.ndarray:
+    """Per-channel variance of the keys of every `block` cells, stored as `kind` (zero-padded as block_means)."""
+    k = _pad_cells(keys, region)[: n_regions * region].reshape(-1, block, keys.shape[1])
+    var = np.maximum((k * k).mean(axis=1) - k.mean(axis=1) ** 2, 0)
+    return quantize_q8_0(var) if kind == "q8_0" else var.astype(np.float16).astype(np.float32)
+
+
+def spread_rule(block: int, kind: str = "f16") -> Rule:
+    """The mean key raised by the keys' spread: a block scores q.mean + (scale/2) sum_d q_d^2 var_d, so
+    that at the attention's scale it is the log of the block's expected attention mass when its keys are
+    Gaussian per channel (RetroInfer's log-normal correction, used to rank rather than to estimate).
+    Scan: a mean and a variance row per block."""
+
+    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        n_reg = _n_regions(head, geo)
+        mean = block_means(head.keys, block, n_reg, geo.region, kind)
+        var = block_variances(head.keys, block, n_reg, geo.region, kind)
+        bs = np.einsum("sgd,bd->sgb", head.q, mean) + 0.5 * head.scale * np.einsum("sgd,bd->sgb", head.q ** 2, var)
+        sc = _region_max(bs, geo.region // block)
+        scan = np.full(len(head.pos), 2 * n_reg * geo.region // block * ROW_SHARE[kind])
+        return sc, scan
+
+    return rule
+
+
 def token_max_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
     """Reference: exact q.k of every cell, max over the region and the group (reads all of K)."""
     n_reg = _n_regions(head, geo)
@@ -136,6 +194,17 @@ def token_max_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
     lg = np.concatenate([lg, np.full(lg.shape[:2] + (n_reg * geo.region - lg.shape[2],), NEG)], axis=2) \
         if lg.shape[2] < n_reg * geo.region else lg[:, :, : n_reg * geo.region]
     return _region_max(lg, geo.region), np.full(len(head.pos), n_reg * geo.region)
+
+
+def unscaled(rule: Rule) -> Rule:
+    """A rule whose scores are logits (already at the attention's scale) brought back to raw q.k, as the
+    selection memory's softmax expects."""
+
+    def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        sc, scan = rule(head, geo, cand)
+        return sc / np.float32(head.scale), scan
+
+    return wrapped
 
 
 def two_level_rule(coarse: int, fine: int, shortlist: int, kind: str = "f16") -> Rule:
@@ -206,7 +275,7 @@ def question_pin_rule(rule: Rule, pins: int) -> Rule:
             if i > 0 and pins:
                 pinned = np.argsort(-np.where(cand[i], acc, NEG), kind="stable")[:pins]
                 pinned = pinned[acc[pinned] > 0]
-                out[i, pinned] = 1e30 + acc[pinned]
+                out[i, pinned] = PINNED + acc[pinned]
             if i < head.n_question:
                 acc += ev[i]
         return out, scan
@@ -232,6 +301,31 @@ def question_memory_rule(rule: Rule, gamma: float, seeded: bool = True) -> Rule:
 
     wrapped = persistent_rule(rule, gamma, answer_start=question_mass)
     wrapped.dense_question = True  # see reads_question_densely
+    return wrapped
+
+
+def share_budget_rule(rule: Rule, share: float) -> Rule:
+    """A budget per head and step instead of a fixed k: of the regions the rule scores (its scores being
+    shares, as persistent_rule's are), only the fewest whose shares add up to `share` of the candidates'
+    total stay choosable (the replay's k caps them); pinned regions (question_pin_rule's) always stay and
+    take their part of the cap. Twilight's top-p, over regions."""
+
+    def wrapped(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        sc, scan = rule(head, geo, cand)
+        out = np.array(sc, dtype=np.float64)
+        for i in range(sc.shape[0]):
+            live = cand[i] & np.isfinite(sc[i])
+            free = live & (sc[i] < PINNED)
+            w = np.where(free, np.maximum(sc[i], 0.0), 0.0)
+            if w.sum() <= 0:
+                continue
+            order = np.argsort(-w, kind="stable")
+            n_keep = int(np.searchsorted(np.cumsum(w[order]) / w.sum(), share)) + 1
+            drop = order[n_keep:]
+            out[i, drop[free[drop]]] = NEG
+        return out, scan
+
+    wrapped.dense_question = getattr(rule, "dense_question", False)  # see reads_question_densely
     return wrapped
 
 
@@ -292,6 +386,23 @@ RULES: dict[str, Rule] = {
     "two64/8x32+qm2": question_pin_rule(_default_scoring(32), 2),
     "two64/8x128+qm2": question_pin_rule(_default_scoring(128), 2),
     "two64/8x64q8+qm2": question_pin_rule(_default_scoring(64, "q8_0"), 2),
+    # the default route's scoring (Q8_0 centroids, a shortlist of 48, 2 pins), and in place of its
+    # centroids, one pass over every region: every 8-token mean (no shortlist); Quest's per-channel
+    # max/min bound per 64 / 32 / 16 cells; the mean raised by the keys' spread per 64 / 16 / 8 cells;
+    # the exact best key of the region (reads all of K: the ceiling of any per-key bound)
+    "two64/8x48q8+qm2": question_pin_rule(_default_scoring(48, "q8_0"), 2),
+    "mean8q8+qm2": question_pin_rule(persistent_rule(mean_rule(8, "q8_0"), 0.9), 2),
+    "bound64q8+qm2": question_pin_rule(persistent_rule(bound_rule(64, "q8_0"), 0.9), 2),
+    "bound32q8+qm2": question_pin_rule(persistent_rule(bound_rule(32, "q8_0"), 0.9), 2),
+    "bound16q8+qm2": question_pin_rule(persistent_rule(bound_rule(16, "q8_0"), 0.9), 2),
+    "spread64q8+qm2": question_pin_rule(persistent_rule(spread_rule(64, "q8_0"), 0.9), 2),
+    "spread16q8+qm2": question_pin_rule(persistent_rule(spread_rule(16, "q8_0"), 0.9), 2),
+    "spread8q8+qm2": question_pin_rule(persistent_rule(spread_rule(8, "q8_0"), 0.9), 2),
+    "token+qm2": question_pin_rule(persistent_rule(unscaled(token_max_rule), 0.9), 2),
+    # a budget per head and step (share_budget_rule) over the default's scoring, capped by the replay's k
+    "two64/8x48q8+qm2+share.2": share_budget_rule(question_pin_rule(_default_scoring(48, "q8_0"), 2), 0.2),
+    "two64/8x48q8+qm2+share.3": share_budget_rule(question_pin_rule(_default_scoring(48, "q8_0"), 2), 0.3),
+    "two64/8x48q8+qm2+share.5": share_budget_rule(question_pin_rule(_default_scoring(48, "q8_0"), 2), 0.5),
     # references: exact q.k of every token, max-pooled (reads all of K), and the regions that hold
     # the most true attention mass
     "token": token_max_rule,
