@@ -187,6 +187,27 @@ def spread_rule(block: int, kind: str = "f16") -> Rule:
     return rule
 
 
+def channel_rule(r: int) -> Rule:
+    """SparQ's approximate scores, max-pooled per region: each step keeps the `r` channels where the
+    KV head's query heads weigh most (the largest sum of |q| over the group), scores every key on those
+    channels only (read from a channel-major F16 copy of K: r/dim of K's bytes), and a region takes its
+    best key for its best query head."""
+
+    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        n_reg = _n_regions(head, geo)
+        n = n_reg * geo.region
+        keys = _pad_cells(head.keys, geo.region)[:n].astype(np.float16).astype(np.float32)
+        visible = np.arange(n)[None, :] <= head.pos[:, None]  # [steps, cells]
+        sc = np.empty((len(head.pos), n_reg), np.float32)
+        for i, q in enumerate(head.q):  # q: [group, dim]
+            ch = np.argsort(-np.abs(q).sum(axis=0), kind="stable")[:r]
+            s = np.where(visible[i], q[:, ch] @ keys[:, ch].T, np.float32(NEG))  # [group, cells]
+            sc[i] = s.reshape(s.shape[0], n_reg, geo.region).max(axis=(0, 2))
+        return sc, np.full(len(head.pos), n * r / head.keys.shape[1])
+
+    return rule
+
+
 def token_max_rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
     """Reference: exact q.k of every cell, max over the region and the group (reads all of K)."""
     n_reg = _n_regions(head, geo)
@@ -399,6 +420,10 @@ RULES: dict[str, Rule] = {
     "spread16q8+qm2": question_pin_rule(persistent_rule(spread_rule(16, "q8_0"), 0.9), 2),
     "spread8q8+qm2": question_pin_rule(persistent_rule(spread_rule(8, "q8_0"), 0.9), 2),
     "token+qm2": question_pin_rule(persistent_rule(unscaled(token_max_rule), 0.9), 2),
+    # SparQ's channel-subset scores of every key (channel_rule): 4, 8 or 16 of 128 channels
+    "chan4+qm2": question_pin_rule(persistent_rule(channel_rule(4), 0.9), 2),
+    "chan8+qm2": question_pin_rule(persistent_rule(channel_rule(8), 0.9), 2),
+    "chan16+qm2": question_pin_rule(persistent_rule(channel_rule(16), 0.9), 2),
     # a budget per head and step (share_budget_rule) over the default's scoring, capped by the replay's k
     "two64/8x48q8+qm2+share.2": share_budget_rule(question_pin_rule(_default_scoring(48, "q8_0"), 2), 0.2),
     "two64/8x48q8+qm2+share.3": share_budget_rule(question_pin_rule(_default_scoring(48, "q8_0"), 2), 0.3),
