@@ -100,6 +100,19 @@ def test_bound_is_at_least_every_key_score_and_exact_for_one_key_regions():
     np.testing.assert_allclose(one[:, :9], exact[:, :9], atol=2e-2)
 
 
+def test_channel_scores_on_every_channel_are_the_exact_best_key():
+    rng = np.random.default_rng(2)
+    head = Head(q=rng.normal(size=(2, 3, 8)).astype(np.float32), keys=rng.normal(size=(40, 8)).astype(np.float32),
+                pos=np.array([38, 39]), scale=0.5)
+    cand = np.ones((2, 10), bool)
+    every, scan = lab_rules.channel_rule(8)(head, GEO, cand)
+    exact, _ = token_max_rule(head, GEO, cand)
+    np.testing.assert_allclose(every, exact / head.scale, atol=2e-2)  # F16 keys
+    assert scan.tolist() == [40, 40]  # all 8 channels of 40 cells: one K row per cell
+    few, scan = lab_rules.channel_rule(2)(head, GEO, cand)
+    assert scan.tolist() == [10, 10] and not np.allclose(few, every)
+
+
 def test_bound_finds_a_one_channel_spike_that_the_mean_washes_out():
     """A region whose keys cancel on average but hold one key aligned with the query: the mean scores it
     0 (as every other region), the bound scores it by that key."""

@@ -133,10 +133,11 @@ def mean_rule(block: int, kind: str = "f16") -> Rule:
 def block_bounds(keys: np.ndarray, block: int, n_regions: int, region: int, kind: str = "f16"
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel max and min key of every `block` cells ([n_regions*region/block, dim] each), stored
-    as `kind`; cells past the last key take the block's own values (an empty block bounds nothing)."""
+    as `kind`; cells past the last key repeat it, so a partly filled block is bounded by its own keys
+    (the blocks they fill lie in the window, never a candidate)."""
     k = keys[: n_regions * region]
     n = n_regions * region
-    if k.shape[0] < n:  # the last region's missing cells repeat its last key: the bound stays the block's
+    if k.shape[0] < n:
         k = np.concatenate([k, np.repeat(k[-1:], n - k.shape[0], axis=0)])
     blocks = k.reshape(-1, block, k.shape[1])
     kmax, kmin = blocks.max(axis=1), blocks.min(axis=1)
