@@ -77,11 +77,12 @@ RuleResult = tuple[np.ndarray, np.ndarray]
 Rule = Callable[[Head, Geometry, np.ndarray], RuleResult]
 
 
-def _pad_cells(keys: np.ndarray, multiple: int) -> np.ndarray:
+def _pad_cells(keys: np.ndarray, multiple: int, edge: bool = False) -> np.ndarray:
+    """The keys padded to a multiple of `multiple` cells: with zeros, or (edge) the last key repeated."""
     n = -(-keys.shape[0] // multiple) * multiple
     if n == keys.shape[0]:
         return keys
-    return np.concatenate([keys, np.zeros((n - keys.shape[0], keys.shape[1]), keys.dtype)])
+    return np.pad(keys, ((0, n - keys.shape[0]), (0, 0)), mode="edge" if edge else "constant")
 
 
 # Bytes of one key-sized row of metadata per stored type, as a share of an F16 key row: F16 keeps 2
@@ -97,13 +98,20 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     return (q * d).reshape(x.shape)
 
 
+def stored(x: np.ndarray, kind: str) -> np.ndarray:
+    """`x` as the engine keeps its centroids: rounded through F16 or Q8_0."""
+    return quantize_q8_0(x) if kind == "q8_0" else x.astype(np.float16).astype(np.float32)
+
+
+def _cell_blocks(keys: np.ndarray, block: int, n_regions: int, region: int, edge: bool = False) -> np.ndarray:
+    """[n_regions*region/block, block, dim]: the keys of every block of the first n_regions regions
+    (padded as _pad_cells pads)."""
+    return _pad_cells(keys, region, edge)[: n_regions * region].reshape(-1, block, keys.shape[1])
+
+
 def block_means(keys: np.ndarray, block: int, n_regions: int, region: int, kind: str = "f16") -> np.ndarray:
     """[n_regions*region/block, dim] mean key of every block, stored as the engine keeps them (F16 or Q8_0)."""
-    k = _pad_cells(keys, region)[: n_regions * region]
-    means = k.reshape(-1, block, k.shape[1]).mean(axis=1)
-    if kind == "q8_0":
-        return quantize_q8_0(means)
-    return means.astype(np.float16).astype(np.float32)
+    return stored(_cell_blocks(keys, block, n_regions, region).mean(axis=1), kind)
 
 
 def _region_max(block_scores: np.ndarray, per_region: int) -> np.ndarray:
@@ -116,18 +124,29 @@ def _n_regions(head: Head, geo: Geometry) -> int:
     return int(head.pos.max()) // geo.region + 1
 
 
+def _block_rule(block: int, kind: str, rows: int,
+                score: Callable[[Head, Geometry, int], np.ndarray]) -> Rule:
+    """A rule that scores every `block` cells by score(head, geo, n_regions) -> [steps, group, n_blocks]
+    from `rows` key-sized rows a block stored as `kind`, and gives a region its best block for its best
+    query head (the scan counts those rows of every block)."""
+
+    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
+        n_reg = _n_regions(head, geo)
+        sc = _region_max(score(head, geo, n_reg), geo.region // block)
+        scan = np.full(len(head.pos), rows * n_reg * geo.region // block * ROW_SHARE[kind])
+        return sc, scan
+
+    return rule
+
+
 def mean_rule(block: int, kind: str = "f16") -> Rule:
     """Mean key of every `block` cells, raw q.c, max over the region's blocks and the group (the
     engine's one-pass scoring). `kind`: the type the means are stored in (the scan counts its bytes)."""
 
-    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
-        n_reg = _n_regions(head, geo)
-        c = block_means(head.keys, block, n_reg, geo.region, kind)
-        sc = _region_max(np.einsum("sgd,bd->sgb", head.q, c), geo.region // block)
-        scan = np.full(len(head.pos), n_reg * geo.region // block * ROW_SHARE[kind])
-        return sc, scan
+    def score(head: Head, geo: Geometry, n_reg: int) -> np.ndarray:
+        return np.einsum("sgd,bd->sgb", head.q, block_means(head.keys, block, n_reg, geo.region, kind))
 
-    return rule
+    return _block_rule(block, kind, 1, score)
 
 
 def block_bounds(keys: np.ndarray, block: int, n_regions: int, region: int, kind: str = "f16"
@@ -135,15 +154,8 @@ def block_bounds(keys: np.ndarray, block: int, n_regions: int, region: int, kind
     """Per-channel max and min key of every `block` cells ([n_regions*region/block, dim] each), stored
     as `kind`; cells past the last key repeat it, so a partly filled block is bounded by its own keys
     (the blocks they fill lie in the window, never a candidate)."""
-    k = keys[: n_regions * region]
-    n = n_regions * region
-    if k.shape[0] < n:
-        k = np.concatenate([k, np.repeat(k[-1:], n - k.shape[0], axis=0)])
-    blocks = k.reshape(-1, block, k.shape[1])
-    kmax, kmin = blocks.max(axis=1), blocks.min(axis=1)
-    if kind == "q8_0":
-        return quantize_q8_0(kmax), quantize_q8_0(kmin)
-    return kmax.astype(np.float16).astype(np.float32), kmin.astype(np.float16).astype(np.float32)
+    blocks = _cell_blocks(keys, block, n_regions, region, edge=True)
+    return stored(blocks.max(axis=1), kind), stored(blocks.min(axis=1), kind)
 
 
 def bound_rule(block: int, kind: str = "f16") -> Rule:
@@ -151,23 +163,18 @@ def bound_rule(block: int, kind: str = "f16") -> Rule:
     sum_d max(q_d kmax_d, q_d kmin_d) = relu(q).kmax - relu(-q).kmin, an upper bound of every q.k in
     it; max over the region's blocks and the group. Scan: two key rows per block, stored as `kind`."""
 
-    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
-        n_reg = _n_regions(head, geo)
+    def score(head: Head, geo: Geometry, n_reg: int) -> np.ndarray:
         kmax, kmin = block_bounds(head.keys, block, n_reg, geo.region, kind)
         qp, qn = np.maximum(head.q, 0), np.maximum(-head.q, 0)
-        bs = np.einsum("sgd,bd->sgb", qp, kmax) - np.einsum("sgd,bd->sgb", qn, kmin)
-        sc = _region_max(bs, geo.region // block)
-        scan = np.full(len(head.pos), 2 * n_reg * geo.region // block * ROW_SHARE[kind])
-        return sc, scan
+        return np.einsum("sgd,bd->sgb", qp, kmax) - np.einsum("sgd,bd->sgb", qn, kmin)
 
-    return rule
+    return _block_rule(block, kind, 2, score)
 
 
 def block_variances(keys: np.ndarray, block: int, n_regions: int, region: int, kind: str = "f16") -> np.ndarray:
     """Per-channel variance of the keys of every `block` cells, stored as `kind` (zero-padded as block_means)."""
-    k = _pad_cells(keys, region)[: n_regions * region].reshape(-1, block, keys.shape[1])
-    var = np.maximum((k * k).mean(axis=1) - k.mean(axis=1) ** 2, 0)
-    return quantize_q8_0(var) if kind == "q8_0" else var.astype(np.float16).astype(np.float32)
+    k = _cell_blocks(keys, block, n_regions, region)
+    return stored(np.maximum((k * k).mean(axis=1) - k.mean(axis=1) ** 2, 0), kind)
 
 
 def spread_rule(block: int, kind: str = "f16") -> Rule:
@@ -176,16 +183,12 @@ def spread_rule(block: int, kind: str = "f16") -> Rule:
     Gaussian per channel (RetroInfer's log-normal correction, used to rank rather than to estimate).
     Scan: a mean and a variance row per block."""
 
-    def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
-        n_reg = _n_regions(head, geo)
+    def score(head: Head, geo: Geometry, n_reg: int) -> np.ndarray:
         mean = block_means(head.keys, block, n_reg, geo.region, kind)
         var = block_variances(head.keys, block, n_reg, geo.region, kind)
-        bs = np.einsum("sgd,bd->sgb", head.q, mean) + 0.5 * head.scale * np.einsum("sgd,bd->sgb", head.q ** 2, var)
-        sc = _region_max(bs, geo.region // block)
-        scan = np.full(len(head.pos), 2 * n_reg * geo.region // block * ROW_SHARE[kind])
-        return sc, scan
+        return np.einsum("sgd,bd->sgb", head.q, mean) + 0.5 * head.scale * np.einsum("sgd,bd->sgb", head.q ** 2, var)
 
-    return rule
+    return _block_rule(block, kind, 2, score)
 
 
 def channel_rule(r: int) -> Rule:
@@ -197,7 +200,7 @@ def channel_rule(r: int) -> Rule:
     def rule(head: Head, geo: Geometry, cand: np.ndarray) -> RuleResult:
         n_reg = _n_regions(head, geo)
         n = n_reg * geo.region
-        keys = _pad_cells(head.keys, geo.region)[:n].astype(np.float16).astype(np.float32)
+        keys = stored(_pad_cells(head.keys, geo.region)[:n], "f16")
         visible = np.arange(n)[None, :] <= head.pos[:, None]  # [steps, cells]
         sc = np.empty((len(head.pos), n_reg), np.float32)
         for i, q in enumerate(head.q):  # q: [group, dim]
@@ -326,6 +329,14 @@ def question_memory_rule(rule: Rule, gamma: float, seeded: bool = True) -> Rule:
     return wrapped
 
 
+def reads_question_densely(rule: Rule) -> bool:
+    """Whether a rule stands for a route whose question pass is dense (question_pin_rule and
+    question_memory_rule: pins or a memory seeded by it, or the memory of a question read in one
+    batch): there the step that predicts the first answer token is the question batch's last row,
+    read densely, and only the later steps are routed."""
+    return getattr(rule, "dense_question", False)
+
+
 def share_budget_rule(rule: Rule, share: float) -> Rule:
     """A budget per head and step instead of a fixed k: of the regions the rule scores (its scores being
     shares, as persistent_rule's are), only the fewest whose shares add up to `share` of the candidates'
@@ -347,7 +358,7 @@ def share_budget_rule(rule: Rule, share: float) -> Rule:
             out[i, drop[free[drop]]] = NEG
         return out, scan
 
-    wrapped.dense_question = getattr(rule, "dense_question", False)  # see reads_question_densely
+    wrapped.dense_question = reads_question_densely(rule)
     return wrapped
 
 
@@ -364,11 +375,19 @@ def region_mass(p: np.ndarray, region: int, n_reg: int) -> np.ndarray:
     return p[:, :, : n_reg * region].reshape(s, g, n_reg, region).sum(axis=-1)
 
 
+def _pinned(rule: Rule) -> Rule:
+    """`rule` with the default route's selection memory (keep 0.9) and its 2 pins."""
+    return question_pin_rule(persistent_rule(rule, 0.9), 2)
+
+
 def _default_scoring(shortlist: int, kind: str = "f16") -> Rule:
     """The engine's default scoring: 64-token coarse centroids shortlist `shortlist` regions, their
     8-token fine centroids choose, the selection memory keeps 0.9 of a region's share."""
     return persistent_rule(two_level_rule(64, 8, shortlist, kind), 0.9)
 
+
+# The default model's route as the lab replays it: Q8_0 centroids, a shortlist of 48, the memory, 2 pins
+DEFAULT_ROUTE_SCORING = question_pin_rule(_default_scoring(48, "q8_0"), 2)
 
 # The rules the route's defaults were chosen by, and the references they are read against
 # (BENCHMARKS.md, the routing lab's tables). A rule's name reads: meanN = one mean key per N tokens
@@ -412,36 +431,28 @@ RULES: dict[str, Rule] = {
     # centroids, one pass over every region: every 8-token mean (no shortlist); Quest's per-channel
     # max/min bound per 64 / 32 / 16 cells; the mean raised by the keys' spread per 64 / 16 / 8 cells;
     # the exact best key of the region (reads all of K: the ceiling of any per-key bound)
-    "two64/8x48q8+qm2": question_pin_rule(_default_scoring(48, "q8_0"), 2),
-    "mean8q8+qm2": question_pin_rule(persistent_rule(mean_rule(8, "q8_0"), 0.9), 2),
-    "bound64q8+qm2": question_pin_rule(persistent_rule(bound_rule(64, "q8_0"), 0.9), 2),
-    "bound32q8+qm2": question_pin_rule(persistent_rule(bound_rule(32, "q8_0"), 0.9), 2),
-    "bound16q8+qm2": question_pin_rule(persistent_rule(bound_rule(16, "q8_0"), 0.9), 2),
-    "spread64q8+qm2": question_pin_rule(persistent_rule(spread_rule(64, "q8_0"), 0.9), 2),
-    "spread16q8+qm2": question_pin_rule(persistent_rule(spread_rule(16, "q8_0"), 0.9), 2),
-    "spread8q8+qm2": question_pin_rule(persistent_rule(spread_rule(8, "q8_0"), 0.9), 2),
-    "token+qm2": question_pin_rule(persistent_rule(unscaled(token_max_rule), 0.9), 2),
+    "two64/8x48q8+qm2": DEFAULT_ROUTE_SCORING,
+    "mean8q8+qm2": _pinned(mean_rule(8, "q8_0")),
+    "bound64q8+qm2": _pinned(bound_rule(64, "q8_0")),
+    "bound32q8+qm2": _pinned(bound_rule(32, "q8_0")),
+    "bound16q8+qm2": _pinned(bound_rule(16, "q8_0")),
+    "spread64q8+qm2": _pinned(spread_rule(64, "q8_0")),
+    "spread16q8+qm2": _pinned(spread_rule(16, "q8_0")),
+    "spread8q8+qm2": _pinned(spread_rule(8, "q8_0")),
+    "token+qm2": _pinned(unscaled(token_max_rule)),
     # SparQ's channel-subset scores of every key (channel_rule): 4, 8 or 16 of 128 channels
-    "chan4+qm2": question_pin_rule(persistent_rule(channel_rule(4), 0.9), 2),
-    "chan8+qm2": question_pin_rule(persistent_rule(channel_rule(8), 0.9), 2),
-    "chan16+qm2": question_pin_rule(persistent_rule(channel_rule(16), 0.9), 2),
+    "chan4+qm2": _pinned(channel_rule(4)),
+    "chan8+qm2": _pinned(channel_rule(8)),
+    "chan16+qm2": _pinned(channel_rule(16)),
     # a budget per head and step (share_budget_rule) over the default's scoring, capped by the replay's k
-    "two64/8x48q8+qm2+share.2": share_budget_rule(question_pin_rule(_default_scoring(48, "q8_0"), 2), 0.2),
-    "two64/8x48q8+qm2+share.3": share_budget_rule(question_pin_rule(_default_scoring(48, "q8_0"), 2), 0.3),
-    "two64/8x48q8+qm2+share.5": share_budget_rule(question_pin_rule(_default_scoring(48, "q8_0"), 2), 0.5),
+    "two64/8x48q8+qm2+share.2": share_budget_rule(DEFAULT_ROUTE_SCORING, 0.2),
+    "two64/8x48q8+qm2+share.3": share_budget_rule(DEFAULT_ROUTE_SCORING, 0.3),
+    "two64/8x48q8+qm2+share.5": share_budget_rule(DEFAULT_ROUTE_SCORING, 0.5),
     # references: exact q.k of every token, max-pooled (reads all of K), and the regions that hold
     # the most true attention mass
     "token": token_max_rule,
     "oracle": oracle_rule,
 }
-
-
-def reads_question_densely(rule: Rule) -> bool:
-    """Whether a rule stands for a route whose question pass is dense (question_pin_rule and
-    question_memory_rule: pins or a memory seeded by it, or the memory of a question read in one
-    batch): there the step that predicts the first answer token is the question batch's last row,
-    read densely, and only the later steps are routed."""
-    return getattr(rule, "dense_question", False)
 
 
 @dataclass
