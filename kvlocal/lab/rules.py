@@ -513,13 +513,10 @@ def _dense_output(head: Head, values: np.ndarray, steps: np.ndarray, n_reg: int,
             padded = np.pad(x, ((0, n_reg * geo.region - len(x)), (0, 0)))  # regions past the document: empty
             return padded.reshape(n_reg, geo.region, -1).sum(1) / np.maximum(count, 1)[:, None]
 
-        def f16(x: np.ndarray) -> np.ndarray:  # kept in F16, as the engine keeps its means
-            return x.astype(np.float16).astype(np.float32)
-
         keys = head.keys[:n_doc]
         kc = region_mean(keys)
-        var = f16(np.maximum(region_mean(keys * keys) - kc * kc, 0))
-        kc, vc = f16(kc), f16(region_mean(values))
+        var = stored(np.maximum(region_mean(keys * keys) - kc * kc, 0), "f16")  # kept in F16, as the engine keeps its means
+        kc, vc = stored(kc, "f16"), stored(region_mean(values), "f16")
         le = np.einsum("agd,rd->agr", head.q[steps], kc) * np.float32(head.scale) + np.log(np.maximum(count, 1))
         qs = head.q[steps] * np.float32(head.scale)
         lv = le + 0.5 * np.einsum("agd,rd->agr", qs * qs, var)
